@@ -1,0 +1,1 @@
+"""Engine: protocol messages, core loop, scheduler, KV blocks, clients, offline LLM."""

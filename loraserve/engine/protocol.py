@@ -1,0 +1,68 @@
+"""Messages between the front end (API server or offline LLM) and the engine core.
+
+All are msgspec structs so that they cross the ZMQ sockets unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import msgspec
+
+from loraserve.lora.request import LoRARequest
+from loraserve.sampling_params import SamplingParams
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS or a stop token id (stop strings are found by the front end)
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+    ERROR = "error"  # the request failed, for example its adapter did not load
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    lora_request: LoRARequest | None = None
+    arrival_time: float = msgspec.field(default_factory=time.time)
+
+
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True):
+    """The new tokens of one request in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    # Per new token: [(token_id, logprob), ...], the sampled token first, then the
+    # top-k alternatives. Only when the request asked for logprobs.
+    new_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: FinishReason | None = None
+    # The stop token id that finished the request, if any.
+    stop_reason: int | None = None
+    # Why an ERROR happened, in words a client can act on.
+    error: str | None = None
+    num_prompt_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    running_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    # Adapter names resident in device slots and in the CPU cache.
+    gpu_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    cpu_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    num_preemptions: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    timestamp: float = msgspec.field(default_factory=time.time)
+    stats: SchedulerStats | None = None

@@ -1,0 +1,1 @@
+"""API server: OpenAI protocol, serving endpoints, the HTTP app."""

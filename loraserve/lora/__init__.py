@@ -1,0 +1,1 @@
+"""LoRA: requests, PEFT parsing, adapter tensors, caches and layer wrappers."""

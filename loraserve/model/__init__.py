@@ -1,0 +1,1 @@
+"""Model families, weight loading and the architecture registry."""

@@ -1,0 +1,1 @@
+"""Worker: model runner, input batch, sampler, attention backends."""
