@@ -1,0 +1,169 @@
+"""Launch configurations for the LoRA shrink/expand kernels.
+
+A config is a small dict of block sizes, split-K factor, warps and stages. The
+lookup order is:
+
+1. a JSON file written by ``benchmarks/tune_kernels.py`` for the current GPU
+   (``kernels/configs/<device name>.json``, or the file named by the
+   ``LORASERVE_LORA_CONFIG`` environment variable), keyed by shape class;
+2. a heuristic that only looks at the shapes (the default on other GPUs and on
+   the CPU interpreter).
+
+Shape classes are coarse on purpose: T is rounded to a power-of-two bucket and
+the rank to its padded block width, so one JSON entry covers every layer of a
+model that shares K, N and rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+# T buckets the tuner measures; a lookup snaps T to the nearest bucket (log scale).
+T_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+MAX_SPLIT_K = 64
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def rank_block(rank: int) -> int:
+    # tl.dot needs every dimension >= 16.
+    return max(16, next_pow2(rank))
+
+
+def t_bucket(num_tokens: int) -> int:
+    """The tuned T bucket nearest to num_tokens on a log scale."""
+    return min(T_BUCKETS, key=lambda b: abs(_log2(b) - _log2(num_tokens)))
+
+
+def _log2(n: int) -> float:
+    return math.log2(max(1, n))
+
+
+def shrink_key(num_tokens: int, k: int, rank: int, num_slices: int) -> str:
+    return f"T{t_bucket(num_tokens)}_K{k}_R{rank_block(rank)}_S{num_slices}"
+
+
+def expand_key(num_tokens: int, n_total: int, rank: int) -> str:
+    return f"T{t_bucket(num_tokens)}_N{n_total}_R{rank_block(rank)}"
+
+
+def _device_name() -> str | None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name()
+    except Exception:  # pragma: no cover - no usable CUDA runtime
+        return None
+    return None
+
+
+def config_path_for(device_name: str) -> Path:
+    safe = "".join(c if c.isalnum() else "_" for c in device_name)
+    return CONFIG_DIR / f"{safe}.json"
+
+
+@lru_cache(maxsize=1)
+def _tuned_table() -> dict[str, dict[str, dict[str, int]]]:
+    path_env = os.environ.get("LORASERVE_LORA_CONFIG")
+    if path_env:
+        path = Path(path_env)
+    else:
+        name = _device_name()
+        if name is None:
+            return {}
+        path = config_path_for(name)
+    if not path.is_file():
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    return {"shrink": data.get("shrink", {}), "expand": data.get("expand", {})}
+
+
+def reload_tuned_table() -> None:
+    """Forget the cached JSON (the tuner calls this after writing a new file)."""
+    _tuned_table.cache_clear()
+
+
+def _num_sms() -> int:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).multi_processor_count
+    except Exception:  # pragma: no cover
+        pass
+    return 132
+
+
+def default_shrink_config(num_tokens: int, k: int, rank: int, num_slices: int) -> dict[str, int]:
+    block_r = rank_block(rank)
+    block_m = 16 if num_tokens <= 16 else (32 if num_tokens <= 128 else 64)
+    if block_r >= 128:
+        block_m = 16 if num_tokens <= 64 else 32
+    block_k = 128 if block_r <= 64 else 64
+    # Split K until there are a few programs per SM: decode has one token tile,
+    # and a single program walking all of K would be latency-bound.
+    tiles = -(-num_tokens // block_m)
+    target = 2 * _num_sms()
+    split = 1
+    max_split = max(1, min(MAX_SPLIT_K, -(-k // block_k)))
+    while split * 2 <= max_split and tiles * num_slices * split < target:
+        split *= 2
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_K": block_k,
+        "SPLIT_K": split,
+        "num_warps": 4,
+        "num_stages": 3 if split <= 4 else 2,
+    }
+
+
+def default_expand_config(num_tokens: int, n_total: int, rank: int) -> dict[str, int]:
+    block_r = rank_block(rank)
+    block_m = 16 if num_tokens <= 16 else (32 if num_tokens <= 128 else 64)
+    block_n = 64 if num_tokens <= 64 else 128
+    if block_r >= 128:
+        block_n = 64
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
+
+
+def _lookup(table: dict[str, dict[str, int]], key: str) -> dict[str, int] | None:
+    if key in table:
+        return table[key]
+    # Same shape class, nearest T bucket that was tuned.
+    rest = key.split("_", 1)[1]
+    want = int(key.split("_", 1)[0][1:])
+    best: tuple[float, dict[str, int]] | None = None
+    for k, v in table.items():
+        head, _, tail = k.partition("_")
+        if tail != rest:
+            continue
+        dist = abs(_log2(int(head[1:])) - _log2(want))
+        if best is None or dist < best[0]:
+            best = (dist, v)
+    return None if best is None else best[1]
+
+
+def shrink_config(num_tokens: int, k: int, rank: int, num_slices: int) -> dict[str, Any]:
+    cfg = default_shrink_config(num_tokens, k, rank, num_slices)
+    tuned = _lookup(_tuned_table().get("shrink", {}), shrink_key(num_tokens, k, rank, num_slices))
+    if tuned:
+        cfg.update(tuned)
+    return cfg
+
+
+def expand_config(num_tokens: int, n_total: int, rank: int) -> dict[str, Any]:
+    cfg = default_expand_config(num_tokens, n_total, rank)
+    tuned = _lookup(_tuned_table().get("expand", {}), expand_key(num_tokens, n_total, rank))
+    if tuned:
+        cfg.update(tuned)
+    return cfg

@@ -1,0 +1,160 @@
+"""CPU tests of the Triton LoRA op under TRITON_INTERPRET=1 (GPU tests: test_kernels_gpu.py)."""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+# Triton decides interpreter-or-compiler when a kernel is decorated, so the
+# variable must be set before loraserve.kernels is imported. Only without CUDA:
+# the whole suite shares one process and GPU tests need the real compiler.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from loraserve.kernels import lora_ops  # noqa: E402
+from loraserve.kernels.lora_meta import LoRAMetadata, build_lora_metadata  # noqa: E402
+
+if not torch.cuda.is_available() and type(lora_ops._lora_shrink_kernel).__name__ != (
+    "InterpretedFunction"
+):
+    # Imported earlier in this process before the variable was set: decorate again.
+    lora_ops = importlib.reload(lora_ops)
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU interpreter tests; the GPU has test_kernels_gpu.py"
+)
+
+
+def reference(y, x, lora_a, lora_b, slots):
+    """Plain torch: the shrink in fp32, rounded once to the weight dtype, expand in fp32."""
+    out = y.clone()
+    off = 0
+    valid = slots >= 0
+    idx = slots.clamp(min=0).long()
+    for a, b in zip(lora_a, lora_b, strict=True):
+        n = b.shape[1]
+        xa = torch.einsum("tk,trk->tr", x.double(), a[idx].double()).to(x.dtype)
+        delta = torch.einsum("tr,tnr->tn", xa.double(), b[idx].double())
+        new = (y[:, off : off + n].double() + delta).to(y.dtype)
+        out[:, off : off + n] = torch.where(valid[:, None], new, y[:, off : off + n])
+        off += n
+    return out
+
+
+def make_case(t, k, r, s, widths, dtype, seed, frac_none=0.25):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k, generator=g).to(dtype)
+    lora_a = [(torch.randn(s, r, k, generator=g) / k**0.5).to(dtype) for _ in widths]
+    lora_b = [(torch.randn(s, n, r, generator=g) / r**0.5).to(dtype) for n in widths]
+    y = torch.randn(t, sum(widths), generator=g).to(dtype)
+    slots = torch.randint(0, s, (t,), generator=g, dtype=torch.int32)
+    none = torch.rand(t, generator=g) < frac_none
+    slots[none] = -1
+    return y, x, lora_a, lora_b, slots
+
+
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+def check(y, x, lora_a, lora_b, slots, meta=None):
+    want = reference(y, x, lora_a, lora_b, slots)
+    got = y.clone()
+    lora_ops.add_lora_linear(got, x, lora_a, lora_b, slots, meta)
+    none = slots < 0
+    # Rows without an adapter: untouched, bit for bit.
+    assert torch.equal(got[none], y[none])
+    err = (got.double() - want.double()).abs().max().item()
+    scale = want.double().abs().max().item() + 1e-6
+    assert err <= TOL[y.dtype] * scale, f"max err {err} (scale {scale})"
+    return got
+
+
+@pytest.mark.parametrize(
+    "t,k,r,s,widths",
+    [
+        (1, 67, 1, 1, [40]),
+        (1, 300, 16, 8, [64, 16, 16]),
+        (3, 67, 8, 2, [33, 7]),
+        (3, 300, 64, 3, [48]),
+        (17, 200, 16, 4, [32, 8, 8]),
+        (17, 67, 1, 8, [24, 50]),
+        (130, 96, 8, 8, [40, 40]),
+        (130, 300, 64, 5, [20, 12, 12]),
+        (130, 45, 16, 1, [70]),
+    ],
+)
+def test_fp32_odd_shapes(t, k, r, s, widths):
+    check(*make_case(t, k, r, s, widths, torch.float32, seed=t * 1000 + k + r))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t,r,widths", [(1, 8, [48, 16]), (17, 16, [32, 8, 8]), (130, 64, [40])])
+def test_half_dtypes(dtype, t, r, widths):
+    check(*make_case(t, 150, r, 4, widths, dtype, seed=t + r))
+
+
+def test_all_tokens_without_adapter():
+    y, x, a, b, slots = make_case(17, 67, 8, 3, [16, 8], torch.float32, seed=1)
+    slots.fill_(-1)
+    got = y.clone()
+    lora_ops.add_lora_linear(got, x, a, b, slots)
+    assert torch.equal(got, y)
+
+
+def test_one_slot_all_tokens_and_more_than_three_slices():
+    # Four slices take two launch pairs; all tokens on the last slot.
+    y, x, a, b, slots = make_case(17, 100, 8, 4, [8, 24, 16, 40], torch.float32, seed=2)
+    slots.fill_(3)
+    check(y, x, a, b, slots)
+
+
+def test_strided_output_view_and_input():
+    # y is a column window of a wider base-layer output; x a strided row view.
+    y_full, x_full, a, b, slots = make_case(17, 134, 8, 3, [40, 24], torch.float32, seed=3)
+    outside = y_full[:, :8].clone()
+    x = x_full[:, :67]
+    y = y_full[:, 8:40]
+    a = [t[:, :, :67].contiguous() for t in a]
+    b = [b[0][:, :20].contiguous(), b[1][:, :12].contiguous()]
+    want = reference(y, x, a, b, slots)
+    lora_ops.add_lora_linear(y, x, a, b, slots)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y_full[:, :8], outside)
+
+
+def test_metadata_reuse_and_smaller_batch():
+    meta = LoRAMetadata(max_tokens=130, num_slots=6, device="cpu")
+    for t, seed in [(130, 4), (17, 5), (3, 6)]:
+        y, x, a, b, slots = make_case(t, 67, 16, 6, [16, 8, 8], torch.float32, seed=seed)
+        meta.update(slots)
+        check(y, x, a, b, slots, meta)
+    # Slot counts/starts describe the grouping.
+    assert int(meta.slot_count.sum()) == int((slots >= 0).sum())
+
+
+def test_metadata_mismatch_raises():
+    y, x, a, b, slots = make_case(3, 67, 8, 2, [8], torch.float32, seed=7)
+    meta = build_lora_metadata(slots[:2], 2)
+    with pytest.raises(ValueError):
+        lora_ops.add_lora_linear(y, x, a, b, slots, meta)
+
+
+def test_large_split_k_path(monkeypatch):
+    # Force many K splits with a narrow K block (the decode configuration).
+    def cfg(num_tokens, k, rank, num_slices):
+        return {"BLOCK_M": 16, "BLOCK_K": 16, "SPLIT_K": 8, "num_warps": 4, "num_stages": 1}
+
+    monkeypatch.setattr(lora_ops, "shrink_config", cfg)
+    check(*make_case(3, 100, 16, 2, [16, 8, 8], torch.float32, seed=8))
+
+
+def test_workspace_numel_matches_call():
+    y, x, a, b, slots = make_case(17, 300, 16, 4, [32, 8, 8], torch.float32, seed=9)
+    need = lora_ops.workspace_numel(17, 300, 16, 3)
+    meta = build_lora_metadata(slots, 4, workspace_numel=need)
+    ws = meta.workspace
+    check(y, x, a, b, slots, meta)
+    assert meta.workspace is ws  # big enough: no growth
