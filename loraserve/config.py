@@ -1,0 +1,242 @@
+"""Engine configuration: one object, validated once, passed down to every part."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SUPPORTED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use auto or one of {sorted(_DTYPES)}") from None
+
+
+@dataclass
+class ModelConfig:
+    model: str  # local directory with config.json and weights
+    tokenizer: str
+    hf_config: Any
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+    load_format: str = "auto"
+    served_model_name: str = ""
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from memory at start-up
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class LoRAConfig:
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+    lora_dtype: torch.dtype = torch.float32
+    target_modules: list[str] | None = None
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    lora_config: LoRAConfig | None
+    device: torch.device
+    enforce_eager: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_kwargs(
+        cls,
+        model: str,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory_bytes: int | None = None,
+        enforce_eager: bool = False,
+        load_format: str = "auto",
+        served_model_name: str | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
+        lora_dtype: str = "auto",
+        lora_target_modules: list[str] | None = None,
+    ) -> EngineConfig:
+        """Build and validate a config from vLLM-style keyword arguments."""
+        from transformers import AutoConfig
+
+        from loraserve.model.registry import check_architecture
+
+        model_path = resolve_model_path(model)
+        hf_config = AutoConfig.from_pretrained(model_path)
+        check_architecture(hf_config)
+
+        dev = resolve_device(device)
+        model_dtype = resolve_model_dtype(dtype, hf_config, dev)
+
+        max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
+        if max_model_len is None:
+            max_model_len = max_pos
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        if max_model_len > max_pos:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's "
+                f"max_position_embeddings {max_pos}"
+            )
+        if max_num_seqs is None:
+            max_num_seqs = 256 if dev.type == "cuda" else 32
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 8192 if dev.type == "cuda" else 2048
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+            )
+        if load_format not in ("auto", "dummy", "safetensors"):
+            raise ValueError(f"load_format must be auto, safetensors or dummy, not {load_format!r}")
+
+        lora_config = None
+        if enable_lora:
+            if max_lora_rank not in SUPPORTED_LORA_RANKS:
+                raise ValueError(
+                    f"max_lora_rank {max_lora_rank} is not supported; use one of "
+                    f"{list(SUPPORTED_LORA_RANKS)}"
+                )
+            if max_loras < 1:
+                raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+            if max_cpu_loras is None:
+                max_cpu_loras = max_loras
+            if max_cpu_loras < max_loras:
+                raise ValueError(
+                    f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})"
+                )
+            lora_config = LoRAConfig(
+                max_loras=max_loras,
+                max_lora_rank=max_lora_rank,
+                max_cpu_loras=max_cpu_loras,
+                lora_dtype=model_dtype if lora_dtype == "auto" else parse_dtype(lora_dtype),
+                target_modules=list(lora_target_modules) if lora_target_modules else None,
+            )
+        elif max_cpu_loras is not None or lora_target_modules:
+            raise ValueError("LoRA options were given without enable_lora")
+
+        return cls(
+            model_config=ModelConfig(
+                model=model_path,
+                tokenizer=resolve_model_path(tokenizer) if tokenizer else model_path,
+                hf_config=hf_config,
+                dtype=model_dtype,
+                max_model_len=max_model_len,
+                seed=seed,
+                load_format=load_format,
+                served_model_name=served_model_name or model,
+            ),
+            cache_config=CacheConfig(
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                gpu_memory_utilization=gpu_memory_utilization,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+            ),
+            lora_config=lora_config,
+            device=dev,
+            enforce_eager=enforce_eager,
+        )
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def resolve_model_path(model: str) -> str:
+    """A local directory, a built-in model name, or a Hugging Face Hub repo id."""
+    if os.path.isdir(model):
+        return model
+    try:
+        from loraserve.model.builtin import resolve_builtin_model
+    except ImportError:  # the built-in registry is optional
+        resolve_builtin_model = None
+    if resolve_builtin_model is not None:
+        local = resolve_builtin_model(model)
+        if local is not None:
+            return local
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model",
+                                                        "*.txt", "*.jinja"])
+    except Exception as e:
+        raise ValueError(
+            f"model {model!r} is neither a local directory nor a built-in model, and "
+            f"fetching it from the Hugging Face Hub failed: {e}"
+        ) from e
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"device must be auto, cuda or cpu, not {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device cuda was asked for, but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def resolve_model_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    if device.type == "cpu":
+        # Half precision matmuls are slow on most CPUs and fp32 is our reference.
+        return torch.float32
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    config_dtype = parse_dtype(config_dtype) if isinstance(config_dtype, str) else config_dtype
+    if config_dtype in (None, torch.float32):
+        return torch.bfloat16
+    return config_dtype

@@ -1,0 +1,236 @@
+"""The engine core: takes requests and aborts, schedules each step, runs the
+worker, and returns each request's new tokens. Synchronous and single-threaded;
+the ZMQ process (core_proc) and the offline LLM both drive it."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from loraserve.config import EngineConfig
+from loraserve.engine.kv_blocks import KVBlockManager
+from loraserve.engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
+from loraserve.engine.request import Request
+from loraserve.engine.scheduler import Scheduler, SchedulerOutput
+from loraserve.lora.request import LoRARequest
+from loraserve.worker.input_batch import SeqInput, StepInput
+from loraserve.worker.model_runner import ModelRunner
+from loraserve.worker.sampler import SamplingRow
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.kv = KVBlockManager(self.runner.num_kv_blocks, config.cache_config.block_size)
+        max_loras = config.lora_config.max_loras if config.lora_config else None
+        self.scheduler = Scheduler(config.scheduler_config, self.kv, max_loras)
+        self.requests: dict[str, Request] = {}
+        # Outputs produced outside a model step (failed adapter loads, aborts).
+        self._pending: list[EngineCoreOutput] = []
+        logger.info(
+            "engine ready: %d KV blocks of %d tokens", self.kv.num_blocks, self.kv.block_size
+        )
+
+    @property
+    def lora_manager(self):
+        return self.runner.lora_manager
+
+    # ---- requests ----------------------------------------------------------------
+
+    def add_request(self, ecr: EngineCoreRequest) -> None:
+        """Queue a request. Raises ValueError for one that can never run."""
+        if ecr.request_id in self.requests:
+            raise ValueError(f"request id {ecr.request_id!r} is already in use")
+        prompt_len = len(ecr.prompt_token_ids)
+        max_len = self.config.scheduler_config.max_model_len
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        if prompt_len >= max_len:
+            raise ValueError(
+                f"the prompt has {prompt_len} tokens; max_model_len {max_len} leaves no room "
+                "to generate"
+            )
+        if prompt_len + 1 > self.kv.capacity_tokens:
+            raise ValueError(
+                f"the prompt has {prompt_len} tokens but the KV cache holds only "
+                f"{self.kv.capacity_tokens}"
+            )
+        vocab = self.config.model_config.hf_config.vocab_size
+        if any(t < 0 or t >= vocab for t in ecr.prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if ecr.lora_request is not None and self.lora_manager is None:
+            raise ValueError("a LoRA adapter was requested but LoRA is not enabled")
+        req = Request.from_engine_request(ecr)
+        if ecr.sampling_params.seed is not None:
+            req.generator = torch.Generator(device=self.config.device).manual_seed(
+                ecr.sampling_params.seed
+            )
+        self.requests[req.request_id] = req
+        self.scheduler.add_request(req)
+        name = req.lora_name
+        if name is not None and not self.lora_manager.is_ready(name):
+            self.lora_manager.start_background_load(req.lora_request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is not None:
+                self.scheduler.finish(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending)
+
+    # ---- adapters ------------------------------------------------------------------
+
+    def _require_lora(self):
+        if self.lora_manager is None:
+            raise ValueError("LoRA is not enabled; start with enable_lora (--enable-lora)")
+        return self.lora_manager
+
+    def add_lora(self, lora_request: LoRARequest, pinned: bool = False) -> None:
+        """Load now (raises LoRAError), cache it and give it a device slot if one is
+        free or held by an adapter no running request uses."""
+        manager = self._require_lora()
+        busy = self.scheduler.running_loras()
+        manager.add(lora_request, pinned=pinned, protected=busy)
+        try:
+            manager.activate(lora_request.lora_name, protected=busy)
+        except RuntimeError:
+            pass  # every slot is busy this step; it gets one when a step needs it
+
+    def remove_lora(self, lora_name: str) -> bool:
+        manager = self._require_lora()
+        if lora_name in self.scheduler.running_loras() | self.scheduler.waiting_loras():
+            # Their adapter is gone: answer them with an error rather than leave them.
+            self._fail_requests_of(lora_name, f"LoRA adapter {lora_name!r} was unloaded")
+        return manager.remove(lora_name)
+
+    def pin_lora(self, lora_name: str) -> None:
+        self._require_lora().pin(lora_name)
+
+    def list_loras(self) -> list[str]:
+        return self.lora_manager.cpu_names() if self.lora_manager else []
+
+    # ---- the step ------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        outputs = self._pending
+        self._pending = []
+        ready: set[str] = set()
+        if self.lora_manager is not None:
+            busy = self.scheduler.running_loras()
+            for name, error in self.lora_manager.poll_loads(protected=busy):
+                if error is not None:
+                    outputs += self._fail_requests_of(name, str(error), queue=False)
+            ready = {
+                name for name in self.scheduler.waiting_loras() | busy
+                if self.lora_manager.is_ready(name)
+            }
+        sched = self.scheduler.schedule(ready)
+        for lora_request in sched.loras_to_load:
+            self.lora_manager.start_background_load(lora_request)
+        if sched.scheduled:
+            outputs += self._run(sched)
+        return EngineCoreOutputs(outputs=outputs, stats=self.get_stats())
+
+    def _run(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
+        seqs = []
+        for req, n in sched.scheduled:
+            start = req.num_computed_tokens
+            samples = start + n == req.num_tokens
+            seqs.append(SeqInput(
+                request_id=req.request_id,
+                token_ids=req.token_ids(start, start + n),
+                start_pos=start,
+                block_ids=req.block_ids,
+                lora_name=req.lora_name,
+                sampling=SamplingRow(
+                    req.sampling_params, req.prompt_token_ids, req.output_token_ids,
+                    req.eos_token_id, req.generator,
+                ) if samples else None,
+            ))
+        step = StepInput(seqs)
+        slots = self.lora_manager.set_active(step.lora_names()) if self.lora_manager else {}
+        result = self.runner.execute(step, slots)
+
+        outputs = []
+        sample_idx = 0
+        for req, n in sched.scheduled:
+            req.num_computed_tokens += n
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk; more of the prompt next step
+            token = result.token_ids[sample_idx]
+            logprobs = result.logprobs[sample_idx]
+            sample_idx += 1
+            req.output_token_ids.append(token)
+            finish, stop_reason = self._check_stop(req, token)
+            outputs.append(EngineCoreOutput(
+                request_id=req.request_id,
+                new_token_ids=[token],
+                new_logprobs=[logprobs] if logprobs is not None else None,
+                finish_reason=finish,
+                stop_reason=stop_reason,
+                num_prompt_tokens=len(req.prompt_token_ids),
+            ))
+            if finish is not None:
+                self.scheduler.finish(req)
+                del self.requests[req.request_id]
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> tuple[FinishReason | None, int | None]:
+        params = req.sampling_params
+        num_out = len(req.output_token_ids)
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token == req.eos_token_id:
+                return FinishReason.STOP, None
+            if params.stop_token_ids and token in params.stop_token_ids:
+                return FinishReason.STOP, token
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            return FinishReason.LENGTH, None
+        if req.num_tokens >= self.config.scheduler_config.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _fail_requests_of(
+        self, lora_name: str, error: str, queue: bool = True
+    ) -> list[EngineCoreOutput]:
+        failed = [r for r in self.requests.values() if r.lora_name == lora_name]
+        outputs = []
+        for req in failed:
+            self.scheduler.finish(req)
+            del self.requests[req.request_id]
+            outputs.append(EngineCoreOutput(
+                request_id=req.request_id, new_token_ids=[],
+                finish_reason=FinishReason.ERROR, error=error,
+                num_prompt_tokens=len(req.prompt_token_ids),
+            ))
+        if queue:
+            self._pending += outputs
+        return outputs
+
+    def get_stats(self) -> SchedulerStats:
+        manager = self.lora_manager
+        return SchedulerStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage(),
+            running_lora_adapters=sorted(self.scheduler.running_loras()),
+            waiting_lora_adapters=sorted(self.scheduler.waiting_loras()),
+            gpu_lora_adapters=manager.slot_names() if manager else [],
+            cpu_lora_adapters=manager.cpu_names() if manager else [],
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def shutdown(self) -> None:
+        if self.lora_manager is not None:
+            self.lora_manager.shutdown()

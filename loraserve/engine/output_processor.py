@@ -1,0 +1,207 @@
+"""Front-end side of the engine: fans a request with n > 1 out into child
+requests, turns per-step token outputs into text (incremental detokenization),
+finds stop strings, and gathers children back into one RequestOutput.
+
+The API server and the offline LLM both use it, so both behave the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from loraserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from loraserve.lora.request import LoRARequest
+from loraserve.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    delta_logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    lora_request: LoRARequest | None = None
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    reqs_to_abort: list[str] = field(default_factory=list)
+
+
+class _ChildState:
+    """Detokenization state of one sequence."""
+
+    def __init__(self, parent: _ParentState, index: int, params: SamplingParams) -> None:
+        self.parent = parent
+        self.out = CompletionOutput(index=index)
+        if params.logprobs is not None:
+            self.out.logprobs = []
+            self.out.cumulative_logprob = 0.0
+        self.params = params
+        self.stops = params.stop_strings
+        self.sent_chars = 0  # text already handed out as deltas
+
+
+class _ParentState:
+    def __init__(self, request_id, prompt, prompt_token_ids, n, lora_request) -> None:
+        self.output = RequestOutput(request_id, prompt, list(prompt_token_ids), [], False,
+                                    lora_request)
+        self.children: list[_ChildState] = []
+        self.n = n
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._children: dict[str, _ChildState] = {}
+        self._parents: dict[str, _ParentState] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+        eos_token_id: int | None = None,
+    ) -> list[EngineCoreRequest]:
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        parent = _ParentState(request_id, prompt, prompt_token_ids, params.n, lora_request)
+        self._parents[request_id] = parent
+        requests = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}-{i}"
+            child_params = params
+            if params.n > 1:
+                # Each child samples on its own; a seed stays reproducible per child.
+                seed = None if params.seed is None else params.seed + i
+                child_params = msgspec.structs.replace(params, n=1, seed=seed)
+            child = _ChildState(parent, i, child_params)
+            parent.children.append(child)
+            parent.output.outputs.append(child.out)
+            self._children[child_id] = child
+            requests.append(EngineCoreRequest(
+                request_id=child_id,
+                prompt_token_ids=list(prompt_token_ids),
+                sampling_params=child_params,
+                eos_token_id=eos_token_id,
+                lora_request=lora_request,
+            ))
+        return requests
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return []
+        return [cid for cid, c in self._children.items() if c.parent is parent]
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; returns the child ids to abort in the engine."""
+        ids = self.child_ids(request_id)
+        for cid in ids:
+            del self._children[cid]
+        self._parents.pop(request_id, None)
+        return ids
+
+    def has_unfinished(self) -> bool:
+        return bool(self._parents)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        result = ProcessedOutputs()
+        touched: dict[str, _ParentState] = {}
+        for parent in self._parents.values():
+            for child in parent.children:
+                child.out.delta_text = ""
+                child.out.delta_token_ids = []
+                child.out.delta_logprobs = None
+        for eco in outputs:
+            child = self._children.get(eco.request_id)
+            if child is None or child.out.finished:
+                continue  # aborted meanwhile, or already stopped by a stop string
+            if self._update_child(child, eco):
+                result.reqs_to_abort.append(eco.request_id)
+            touched[child.parent.output.request_id] = child.parent
+        for rid, parent in touched.items():
+            parent.output.finished = all(c.out.finished for c in parent.children)
+            result.request_outputs.append(parent.output)
+            if parent.output.finished:
+                for cid in self.child_ids(rid):
+                    del self._children[cid]
+                del self._parents[rid]
+        return result
+
+    def _update_child(self, child: _ChildState, eco: EngineCoreOutput) -> bool:
+        """Apply one step's tokens. True when a stop string ended it (abort in engine)."""
+        out = child.out
+        out.token_ids.extend(eco.new_token_ids)
+        out.delta_token_ids = list(eco.new_token_ids)
+        if eco.new_logprobs is not None and out.logprobs is not None:
+            delta = [dict(entry) for entry in eco.new_logprobs]
+            out.logprobs.extend(delta)
+            out.delta_logprobs = delta
+            out.cumulative_logprob += sum(entry[0][1] for entry in eco.new_logprobs)
+
+        text = self.tokenizer.decode(
+            out.token_ids, skip_special_tokens=child.params.skip_special_tokens
+        )
+        stopped_by_string = False
+        if eco.finish_reason != FinishReason.ERROR:
+            hit = _find_stop(text, child.stops, len(out.text))
+            if hit is not None:
+                stop, pos = hit
+                text = text[: pos + len(stop)] if child.params.include_stop_str_in_output \
+                    else text[:pos]
+                out.finish_reason = FinishReason.STOP.value
+                out.stop_reason = stop
+                stopped_by_string = eco.finish_reason is None
+        if out.finish_reason is None and eco.finish_reason is not None:
+            out.finish_reason = eco.finish_reason.value
+            out.stop_reason = eco.stop_reason
+            out.error = eco.error
+        out.text = text
+        # While running, hold back an incomplete UTF-8 character and anything that
+        # could still grow into a stop string, so streamed deltas never need undoing.
+        visible = len(text)
+        if not out.finished:
+            while visible and text[visible - 1] == "\ufffd":
+                visible -= 1
+            if child.stops:
+                visible = max(child.sent_chars, visible - (max(map(len, child.stops)) - 1))
+        visible = max(visible, child.sent_chars)
+        out.delta_text = text[child.sent_chars:visible]
+        child.sent_chars = visible
+        return stopped_by_string
+
+
+def _find_stop(text: str, stops: list[str], old_len: int) -> tuple[str, int] | None:
+    best = None
+    for stop in stops:
+        # Only new text can hold a new match (plus an overlap with the old tail).
+        pos = text.find(stop, max(0, old_len - len(stop) + 1))
+        if pos != -1 and (best is None or pos < best[1]):
+            best = (stop, pos)
+    return best

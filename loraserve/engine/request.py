@@ -1,0 +1,65 @@
+"""A request's state inside the engine core."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from loraserve.engine.protocol import EngineCoreRequest, FinishReason
+from loraserve.lora.request import LoRARequest
+from loraserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    lora_request: LoRARequest | None
+    arrival_time: float
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @classmethod
+    def from_engine_request(cls, req: EngineCoreRequest) -> Request:
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            sampling_params=req.sampling_params,
+            eos_token_id=req.eos_token_id,
+            lora_request=req.lora_request,
+            arrival_time=req.arrival_time,
+        )
+
+    @property
+    def lora_name(self) -> str | None:
+        return self.lora_request.lora_name if self.lora_request is not None else None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

@@ -1,0 +1,133 @@
+"""Continuous batching with a token budget (chunked prefill), paged KV blocks,
+preemption by recompute, and the max_loras rule.
+
+The max_loras rule: the adapters of all running requests count, scheduled this
+step or not. A waiting request whose adapter is new is skipped when that set is
+full; so is one whose adapter is still loading. A skipped request keeps its place
+at the front of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from loraserve.config import SchedulerConfig
+from loraserve.engine.kv_blocks import KVBlockManager
+from loraserve.engine.request import Request, RequestStatus
+from loraserve.lora.request import LoRARequest
+
+
+@dataclass
+class SchedulerOutput:
+    # (request, number of its tokens to compute this step), running requests first.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # Adapters that waiting requests need but that are not ready: load them.
+    loras_to_load: list[LoRARequest] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVBlockManager, max_loras: int | None
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_loras = max_loras
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add_request(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def has_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def running_loras(self) -> set[str]:
+        return {r.lora_name for r in self.running if r.lora_name is not None}
+
+    def waiting_loras(self) -> set[str]:
+        return {r.lora_name for r in self.waiting if r.lora_name is not None}
+
+    def schedule(self, ready_loras: set[str] | frozenset = frozenset()) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self._schedule_running(out, budget)
+        budget -= out.num_tokens
+        if not out.preempted:
+            self._schedule_waiting(out, budget, ready_loras)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                # Out of blocks: preempt the lowest-priority (latest) running request.
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    return
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+            i += 1
+
+    def _schedule_waiting(
+        self, out: SchedulerOutput, budget: int, ready_loras: set[str] | frozenset
+    ) -> None:
+        loras = self.running_loras()
+        skipped: list[Request] = []
+        to_load: dict[str, LoRARequest] = {}
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.popleft()
+            name = req.lora_name
+            if name is not None:
+                if name not in ready_loras:
+                    to_load.setdefault(name, req.lora_request)
+                    skipped.append(req)
+                    continue
+                if (
+                    self.max_loras is not None
+                    and name not in loras
+                    and len(loras) >= self.max_loras
+                ):
+                    skipped.append(req)
+                    continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(req, num_new):
+                self.waiting.appendleft(req)
+                break
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+            if name is not None:
+                loras.add(name)
+        # Requests that could not go this step keep their places at the front.
+        self.waiting.extendleft(reversed(skipped))
+        out.loras_to_load = list(to_load.values())
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request) -> None:
+        """Remove a request (finished, aborted or failed) and free its blocks."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        self.kv.free(req)

@@ -1,0 +1,61 @@
+"""LoRA wrappers for the decoder's linear layers (merged QKV, o, merged gate/up, down).
+
+Each wrapper keeps the base layer and, per output slice, a stack of A and B
+matrices with one entry per device slot, sized for max_lora_rank. A slot holds
+one adapter; a rank below the slot width is zero-padded.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loraserve.lora.peft_adapter import ModuleLoRA
+from loraserve.lora.punica import PunicaWrapper
+
+
+class LinearWithLoRA(nn.Module):
+    def __init__(
+        self,
+        base: nn.Linear,
+        slice_sizes: list[int],
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        punica: PunicaWrapper,
+    ) -> None:
+        super().__init__()
+        if sum(slice_sizes) != base.out_features:
+            raise ValueError(f"slices {slice_sizes} do not add up to {base.out_features}")
+        self.base_layer = base
+        self.slice_sizes = list(slice_sizes)
+        device = base.weight.device
+        self.lora_a = [
+            torch.zeros(num_slots, max_rank, base.in_features, dtype=dtype, device=device)
+            for _ in slice_sizes
+        ]
+        self.lora_b = [
+            torch.zeros(num_slots, n, max_rank, dtype=dtype, device=device) for n in slice_sizes
+        ]
+        # A shared object, not a global: the model runner updates its mapping each step.
+        self.punica = punica
+
+    def set_slot(self, slot: int, weights: ModuleLoRA | None) -> None:
+        """Copy one adapter's weights into a slot; None (module not targeted) zeroes it."""
+        for i, (a_stack, b_stack) in enumerate(zip(self.lora_a, self.lora_b, strict=True)):
+            a_stack[slot].zero_()
+            b_stack[slot].zero_()
+            if weights is None or weights.lora_a[i] is None:
+                continue
+            a, b = weights.lora_a[i], weights.lora_b[i]
+            rank = a.shape[0]
+            a_stack[slot, :rank].copy_(a, non_blocking=True)
+            b_stack[slot, :, :rank].copy_(b, non_blocking=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        self.punica.add_lora_linear(y, x, self.lora_a, self.lora_b)
+        return y
+
+    def lora_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.lora_a, *self.lora_b))

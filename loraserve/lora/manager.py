@@ -1,0 +1,197 @@
+"""Adapters of one model: wrapping its layers, the CPU cache (max_cpu_loras), the
+device slots (max_loras), and background loading from disk.
+
+Both caches are LRU. An adapter enters the CPU cache when loaded; it takes a
+device slot when a step needs it (or at once when added through the API). A
+module the adapter does not target has its slot zeroed. Pinned adapters are
+never evicted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+from loraserve.config import LoRAConfig
+from loraserve.lora.errors import LoRAError
+from loraserve.lora.layers import LinearWithLoRA
+from loraserve.lora.lru import LRUCache
+from loraserve.lora.peft_adapter import LoRAModel, ModelLoRAInfo, load_lora_model
+from loraserve.lora.punica import PunicaWrapper
+from loraserve.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+
+def wrap_model(
+    model: nn.Module, lora_config: LoRAConfig, punica: PunicaWrapper
+) -> tuple[dict[str, LinearWithLoRA], ModelLoRAInfo]:
+    """Replace every LoRA-capable linear layer with a wrapper, in place."""
+    wrappers: dict[str, LinearWithLoRA] = {}
+    info = ModelLoRAInfo(modules={}, by_source={}, projection_names=set())
+    for _merged_name, sources in model.lora_modules.items():
+        info.projection_names.update(sources)
+    for path, module in list(model.named_modules()):
+        leaf = path.rsplit(".", 1)[-1]
+        if leaf not in model.lora_modules or not isinstance(module, nn.Linear):
+            continue
+        sources = model.lora_modules[leaf]
+        slice_sizes = model.slice_sizes(leaf)
+        wrapper = LinearWithLoRA(
+            module, slice_sizes, lora_config.max_loras, lora_config.max_lora_rank,
+            lora_config.lora_dtype, punica,
+        )
+        parent_path, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), attr, wrapper)
+        wrappers[path] = wrapper
+        info.modules[path] = (tuple(sources), module.in_features, slice_sizes)
+        for i, source in enumerate(sources):
+            info.by_source[f"{parent_path}.{source}"] = (path, i)
+    return wrappers, info
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        model: nn.Module,
+        lora_config: LoRAConfig,
+        punica: PunicaWrapper,
+        num_load_threads: int = 2,
+    ) -> None:
+        self.config = lora_config
+        self.punica = punica
+        self.wrappers, self.info = wrap_model(model, lora_config, punica)
+        self.cpu_cache: LRUCache[LoRAModel] = LRUCache(lora_config.max_cpu_loras)
+        # Device slots: name -> slot index. Free slots are the ones not in the map.
+        self.slots: LRUCache[int] = LRUCache(lora_config.max_loras)
+        self._loader = ThreadPoolExecutor(num_load_threads, thread_name_prefix="lora-load")
+        self._loading: dict[str, tuple[LoRARequest, Future]] = {}
+
+    # ---- loading -------------------------------------------------------------------
+
+    def load(self, lora_request: LoRARequest) -> LoRAModel:
+        """Read an adapter from disk (or the Hub) into CPU tensors; raises LoRAError."""
+        try:
+            return load_lora_model(
+                lora_request, self.info, self.config.max_lora_rank, self.config.lora_dtype,
+                self.config.target_modules,
+            )
+        except LoRAError:
+            raise
+        except Exception as e:  # corrupt files and the like: still the adapter's fault
+            raise LoRAError(lora_request.lora_name, f"{type(e).__name__}: {e}") from e
+
+    def add(self, lora_request: LoRARequest, pinned: bool = False,
+            protected: Iterable[str] = ()) -> LoRAModel:
+        """Load synchronously (load before evict), put into the CPU cache."""
+        lora = self.load(lora_request)
+        self.insert(lora, protected)
+        if pinned:
+            self.cpu_cache.pin(lora.name)
+        return lora
+
+    def insert(self, lora: LoRAModel, protected: Iterable[str] = ()) -> None:
+        if lora.name in self.slots:
+            # load_inplace: the slot must show the new weights.
+            self._write_slot(self.slots.peek(lora.name), lora)
+        for name, _ in self.cpu_cache.put(lora.name, lora, protected):
+            logger.info("LoRA %s evicted from the CPU cache", name)
+
+    def start_background_load(self, lora_request: LoRARequest) -> None:
+        name = lora_request.lora_name
+        if name not in self._loading:
+            self._loading[name] = (lora_request, self._loader.submit(self.load, lora_request))
+
+    def is_loading(self, name: str) -> bool:
+        return name in self._loading
+
+    def poll_loads(self, protected: Iterable[str] = ()) -> list[tuple[str, LoRAError | None]]:
+        """Move finished background loads into the CPU cache; report failures."""
+        done = []
+        for name, (_req, future) in list(self._loading.items()):
+            if not future.done():
+                continue
+            del self._loading[name]
+            try:
+                self.insert(future.result(), protected)
+                done.append((name, None))
+            except LoRAError as e:
+                done.append((name, e))
+        return done
+
+    # ---- residency ---------------------------------------------------------------
+
+    def is_ready(self, name: str) -> bool:
+        """Usable this step without touching the disk."""
+        return name in self.cpu_cache or name in self.slots
+
+    def pin(self, name: str) -> None:
+        self.cpu_cache.pin(name)
+        if name in self.slots:
+            self.slots.pin(name)
+
+    def remove(self, name: str) -> bool:
+        """Forget an adapter: its CPU tensors and its device slot are freed."""
+        found = self.cpu_cache.pop(name) is not None
+        slot = self.slots.pop(name)
+        if slot is not None:
+            self._write_slot(slot, None)
+            found = True
+        pending = self._loading.pop(name, None)
+        if pending is not None:
+            pending[1].cancel()
+            found = True
+        return found
+
+    def activate(self, name: str, protected: Iterable[str] = ()) -> int:
+        """Give an adapter a device slot, evicting the least recently used one that
+        this step does not need. Returns the slot."""
+        slot = self.slots.get(name)
+        if slot is not None:
+            self.cpu_cache.touch(name)
+            return slot
+        lora = self.cpu_cache.get(name)
+        if lora is None:
+            raise RuntimeError(f"LoRA {name!r} is neither in a device slot nor in the CPU cache")
+        used = set(self.slots._items.values())
+        free = [s for s in range(self.config.max_loras) if s not in used]
+        if not free:
+            victim = self.slots.oldest_evictable(set(protected) | {name})
+            if victim is None:
+                raise RuntimeError(
+                    f"no free LoRA slot for {name!r}: all {self.config.max_loras} are in use"
+                )
+            free = [self.slots.pop(victim)]
+            logger.debug("LoRA %s leaves slot %d", victim, free[0])
+        slot = free[0]
+        self._write_slot(slot, lora)
+        self.slots.put(name, slot)
+        if self.cpu_cache.is_pinned(name):
+            self.slots.pin(name)
+        return slot
+
+    def set_active(self, names: set[str]) -> dict[str, int]:
+        """Slots for every adapter of this step (at most max_loras of them)."""
+        if len(names) > self.config.max_loras:
+            raise RuntimeError(
+                f"{len(names)} adapters in one step exceed max_loras={self.config.max_loras}"
+            )
+        return {name: self.activate(name, protected=names) for name in names}
+
+    def _write_slot(self, slot: int, lora: LoRAModel | None) -> None:
+        with torch.no_grad():
+            for path, wrapper in self.wrappers.items():
+                wrapper.set_slot(slot, lora.modules.get(path) if lora is not None else None)
+
+    def cpu_names(self) -> list[str]:
+        return self.cpu_cache.keys()
+
+    def slot_names(self) -> list[str]:
+        return self.slots.keys()
+
+    def shutdown(self) -> None:
+        self._loader.shutdown(wait=False, cancel_futures=True)

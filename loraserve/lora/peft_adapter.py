@@ -1,0 +1,247 @@
+"""Read a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) into
+tensors laid out for our merged modules, with the scaling folded into B."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from loraserve.lora.errors import LoRAError
+from loraserve.lora.request import LoRARequest
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+_KEY_RE = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
+)
+
+
+@dataclass
+class ModuleLoRA:
+    """One of our merged modules: per slice, A [r, K] and scaled B [N, r] (or None)."""
+
+    lora_a: list[torch.Tensor | None]
+    lora_b: list[torch.Tensor | None]
+
+    @property
+    def rank(self) -> int:
+        return max((a.shape[0] for a in self.lora_a if a is not None), default=0)
+
+
+@dataclass
+class LoRAModel:
+    name: str
+    int_id: int
+    path: str
+    rank: int
+    modules: dict[str, ModuleLoRA] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        total = 0
+        for m in self.modules.values():
+            for t in (*m.lora_a, *m.lora_b):
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total
+
+
+@dataclass
+class PeftConfig:
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: list[str] | str | None
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+
+    def alpha_for(self, module_key: str) -> float:
+        key = _pattern_key(self.alpha_pattern, module_key)
+        return float(self.alpha_pattern[key]) if key is not None else float(self.lora_alpha)
+
+    def rank_for(self, module_key: str) -> int:
+        key = _pattern_key(self.rank_pattern, module_key)
+        return int(self.rank_pattern[key]) if key is not None else int(self.r)
+
+    def scaling(self, module_key: str, rank: int) -> float:
+        alpha = self.alpha_for(module_key)
+        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+
+
+def _pattern_key(patterns: dict, module_key: str) -> str | None:
+    # PEFT matches a pattern against the module's full name or any dotted suffix.
+    for pattern in patterns:
+        if pattern == module_key or re.fullmatch(rf"(.*\.)?(?:{pattern})", module_key):
+            return pattern
+    return None
+
+
+@dataclass
+class ModelLoRAInfo:
+    """What the base model offers to adapters: per merged module path, its slices'
+    checkpoint names, input width and output widths."""
+
+    # e.g. "model.layers.0.self_attn.qkv_proj" -> (("q_proj","k_proj","v_proj"), K, [N...])
+    modules: dict[str, tuple[tuple[str, ...], int, list[int]]]
+    # checkpoint path of a projection -> (merged module path, slice index)
+    by_source: dict[str, tuple[str, int]]
+    projection_names: set[str]
+
+
+def resolve_adapter_path(lora_request: LoRARequest) -> str:
+    """A local directory is used as is; anything else is a Hugging Face Hub repo id."""
+    path = lora_request.lora_path
+    if not path:
+        raise LoRAError(lora_request.lora_name, "no lora_path given")
+    expanded = os.path.expanduser(path)
+    if os.path.isdir(expanded):
+        return expanded
+    if os.path.exists(expanded):
+        raise LoRAError(lora_request.lora_name, f"{path} is a file; give the adapter's directory")
+    if expanded.startswith(("/", "./", "../")):
+        raise LoRAError(lora_request.lora_name, f"directory {path} does not exist")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id=path)
+    except Exception as e:  # offline mode, unknown repo, network: all the same to the user
+        raise LoRAError(
+            lora_request.lora_name,
+            f"{path} is not a local directory and could not be fetched from the Hugging "
+            f"Face Hub ({type(e).__name__}: {e})",
+        ) from e
+
+
+def read_peft_config(lora_name: str, adapter_dir: str) -> PeftConfig:
+    config_path = Path(adapter_dir) / CONFIG_FILE
+    if not config_path.exists():
+        raise LoRAError(lora_name, f"{CONFIG_FILE} is missing in {adapter_dir}")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise LoRAError(lora_name, f"{CONFIG_FILE} is not valid JSON: {e}") from e
+    peft_type = raw.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise LoRAError(lora_name, f"peft_type {peft_type!r} is not a LoRA adapter")
+    if raw.get("use_dora"):
+        raise LoRAError(lora_name, "DoRA adapters are not supported")
+    if raw.get("modules_to_save"):
+        raise LoRAError(
+            lora_name, f"modules_to_save {raw['modules_to_save']} (full layer copies) are not "
+            "supported"
+        )
+    if "r" not in raw:
+        raise LoRAError(lora_name, f"{CONFIG_FILE} has no 'r'")
+    return PeftConfig(
+        r=int(raw["r"]),
+        lora_alpha=float(raw.get("lora_alpha", raw["r"])),
+        use_rslora=bool(raw.get("use_rslora", False)),
+        target_modules=raw.get("target_modules"),
+        rank_pattern=dict(raw.get("rank_pattern") or {}),
+        alpha_pattern=dict(raw.get("alpha_pattern") or {}),
+    )
+
+
+def load_lora_model(
+    lora_request: LoRARequest,
+    info: ModelLoRAInfo,
+    max_lora_rank: int,
+    dtype: torch.dtype,
+    target_modules: list[str] | None = None,
+) -> LoRAModel:
+    """Load, validate and scale an adapter into CPU tensors. Raises LoRAError."""
+    name = lora_request.lora_name
+    adapter_dir = resolve_adapter_path(lora_request)
+    config = read_peft_config(name, adapter_dir)
+    _check_target_modules(name, config, info)
+    weights_path = Path(adapter_dir) / WEIGHTS_FILE
+    if not weights_path.exists():
+        pickles = [f for f in _PICKLE_FILES if (Path(adapter_dir) / f).exists()]
+        if pickles:
+            raise LoRAError(
+                name, f"{pickles[0]} is a pickle file, which loraserve refuses to load (it can "
+                "run code); save the adapter as safetensors (PEFT's default)"
+            )
+        raise LoRAError(name, f"{WEIGHTS_FILE} is missing in {adapter_dir}")
+
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            for key in f.keys():
+                match = _KEY_RE.match(key)
+                if match is None:
+                    raise LoRAError(name, f"tensor {key!r} is not a LoRA A/B weight we support")
+                pairs.setdefault(match["module"], {})[match["ab"]] = f.get_tensor(key)
+    except SafetensorError as e:
+        raise LoRAError(name, f"{WEIGHTS_FILE} is not a valid safetensors file: {e}") from e
+
+    modules: dict[str, ModuleLoRA] = {}
+    max_rank = 0
+    for source, ab in sorted(pairs.items()):
+        if source not in info.by_source:
+            proj = source.rsplit(".", 1)[-1]
+            raise LoRAError(
+                name, f"target module {source!r} does not exist in the model or does not take "
+                f"LoRA (supported: {', '.join(sorted(info.projection_names))})"
+                if proj not in info.projection_names else
+                f"target module {source!r} does not exist in the model",
+            )
+        if set(ab) != {"A", "B"}:
+            raise LoRAError(name, f"module {source!r} lacks its lora_{'AB'[('A' in ab)]} tensor")
+        merged, slice_idx = info.by_source[source]
+        if target_modules is not None and source.rsplit(".", 1)[-1] not in target_modules:
+            continue  # the server restricts LoRA to some modules (--lora-target-modules)
+        _, in_features, out_sizes = info.modules[merged]
+        a, b = ab["A"], ab["B"]
+        rank = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2:
+            raise LoRAError(name, f"module {source!r}: LoRA tensors must be 2-D")
+        if rank > max_lora_rank:
+            raise LoRAError(
+                name, f"LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}; start "
+                f"the server with --max-lora-rank {_next_rank(rank)} or more",
+            )
+        if a.shape[1] != in_features or b.shape != (out_sizes[slice_idx], rank):
+            raise LoRAError(
+                name, f"module {source!r}: lora_A has shape {tuple(a.shape)} and lora_B "
+                f"{tuple(b.shape)}; the model wants ({rank}, {in_features}) and "
+                f"({out_sizes[slice_idx]}, {rank})",
+            )
+        scale = config.scaling(source, rank)
+        entry = modules.setdefault(
+            merged, ModuleLoRA([None] * len(out_sizes), [None] * len(out_sizes))
+        )
+        entry.lora_a[slice_idx] = a.to(dtype).contiguous()
+        # Fold alpha / r into B so every kernel uses scale 1.0.
+        entry.lora_b[slice_idx] = (b.float() * scale).to(dtype).contiguous()
+        max_rank = max(max_rank, rank)
+    if not modules:
+        raise LoRAError(name, "the adapter has no LoRA weights for any module of the model")
+    return LoRAModel(name=name, int_id=lora_request.lora_int_id, path=adapter_dir,
+                     rank=max_rank, modules=modules)
+
+
+def _check_target_modules(name: str, config: PeftConfig, info: ModelLoRAInfo) -> None:
+    targets = config.target_modules
+    if targets is None or isinstance(targets, str):
+        return  # a regex: the tensors themselves are checked
+    known = info.projection_names | {"all-linear"}
+    missing = [t for t in targets if t.rsplit(".", 1)[-1] not in known]
+    if missing:
+        raise LoRAError(
+            name, f"target modules {missing} do not exist in the model or do not take LoRA "
+            f"(supported: {', '.join(sorted(info.projection_names))})"
+        )
+
+
+def _next_rank(rank: int) -> int:
+    from loraserve.config import SUPPORTED_LORA_RANKS
+
+    return next((r for r in SUPPORTED_LORA_RANKS if r >= rank), rank)

@@ -1,0 +1,70 @@
+"""The punica wrapper: per-step token -> slot mapping, and the fused LoRA op.
+
+Every LoRA layer calls `add_lora_linear`. On CUDA it runs the Triton kernels of
+`loraserve.kernels`; elsewhere plain torch ops, one matmul pair per active slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _kernels_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import loraserve.kernels as kernels
+    except ImportError:
+        return False
+    return hasattr(kernels, "add_lora_linear")
+
+
+class PunicaWrapper:
+    def __init__(self, max_num_tokens: int, device: torch.device) -> None:
+        self.device = device
+        # Preallocated so the CUDA path never allocates inside a captured graph.
+        self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device)
+        self.num_tokens = 0
+        self.any_lora = False
+        self._slot_rows: list[tuple[int, torch.Tensor]] = []
+        self._use_kernels = _kernels_available(device)
+
+    def update_mapping(self, token_slots: list[int]) -> None:
+        """Set the slot of each token of this step (-1: no adapter)."""
+        n = len(token_slots)
+        if n > self.token_slots.numel():
+            raise ValueError(f"{n} tokens exceed the punica buffer of {self.token_slots.numel()}")
+        self.num_tokens = n
+        slots = torch.tensor(token_slots, dtype=torch.int32)
+        self.token_slots[:n].copy_(slots, non_blocking=True)
+        self.any_lora = bool((slots >= 0).any())
+        if not self._use_kernels:
+            self._slot_rows = [
+                (int(s), torch.nonzero(slots == s).flatten().to(self.device))
+                for s in torch.unique(slots).tolist()
+                if s >= 0
+            ]
+
+    def add_lora_linear(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: list[torch.Tensor],
+        lora_b: list[torch.Tensor],
+    ) -> None:
+        """y[t, slice i] += (x[t] @ lora_a[i][s].T) @ lora_b[i][s].T for s = slot of t."""
+        if not self.any_lora:
+            return
+        if self._use_kernels:
+            from loraserve.kernels import add_lora_linear
+
+            add_lora_linear(y, x, lora_a, lora_b, self.token_slots[: x.shape[0]])
+            return
+        for slot, rows in self._slot_rows:
+            xs = x[rows].to(lora_a[0].dtype)
+            offset = 0
+            for a, b in zip(lora_a, lora_b, strict=True):
+                width = b.shape[1]
+                delta = (xs @ a[slot].T) @ b[slot].T
+                y[rows, offset:offset + width] += delta.to(y.dtype)
+                offset += width

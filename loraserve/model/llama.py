@@ -1,0 +1,175 @@
+"""The Llama family (Llama 2/3, TinyLlama, SmolLM, Mistral, Qwen2, Qwen3) with
+merged QKV and gate/up projections, over a paged KV cache.
+
+The forward pass takes the batch as one flat run of tokens ([T]) and an
+attention metadata object from the worker; it never loops over sequences
+itself (the attention backend decides how to walk the paged cache).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraserve.model.rope import RotaryEmbedding, head_dim_of
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same order of operations as transformers so fp32 results match bit for bit.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(cfg)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bool(
+            getattr(cfg, "attention_bias", False)) and cfg.model_type not in ("qwen2", "qwen3"))
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.scale = self.head_dim**-0.5
+        self.layer_idx = layer_idx
+        self.sliding_window = _sliding_window(cfg, layer_idx)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache, attn) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = attn.forward(q, k, v, kv_cache, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+def _sliding_window(cfg: Any, layer_idx: int) -> int | None:
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None
+    if cfg.model_type in ("qwen2", "qwen3"):
+        if not getattr(cfg, "use_sliding_window", False):
+            return None
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types is not None:
+            return window if layer_types[layer_idx] == "sliding_attention" else None
+        return window if layer_idx >= getattr(cfg, "max_window_layers", 0) else None
+    return window
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, kv_cache, attn) -> torch.Tensor:
+        residual = hidden
+        hidden = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, attn)
+        hidden = residual + hidden
+        residual = hidden
+        hidden = self.mlp(self.post_attention_layernorm(hidden))
+        return residual + hidden
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any, max_model_len: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg, max_model_len)
+        # One rotary table shared by every layer; registered once here.
+        self.rotary_emb = rotary
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches, attn) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, attn)
+        return self.norm(hidden)
+
+
+class LlamaFamilyForCausalLM(nn.Module):
+    # Checkpoint projection name -> (our merged module, slice index).
+    stacked_modules = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    # Our linear modules that take LoRA, with the checkpoint names of their slices.
+    lora_modules = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "o_proj": ("o_proj",),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+        "down_proj": ("down_proj",),
+    }
+
+    def __init__(self, cfg: Any, max_model_len: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, max_model_len)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_caches, attn) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def slice_sizes(self, module_name: str) -> list[int]:
+        """Output widths of the slices of one of our LoRA-capable modules."""
+        attn = self.model.layers[0].self_attn
+        inter = self.model.layers[0].mlp.intermediate_size
+        return {
+            "qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size],
+            "o_proj": [self.config.hidden_size],
+            "gate_up_proj": [inter, inter],
+            "down_proj": [self.config.hidden_size],
+        }[module_name]

@@ -1,0 +1,46 @@
+"""Which Hugging Face architectures we implement, and how to build them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Every listed family shares one decoder implementation; the differences
+# (QKV bias, q/k norm, sliding window) are read from the config.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def check_architecture(hf_config: Any) -> str:
+    archs = getattr(hf_config, "architectures", None) or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    raise UnsupportedModelError(
+        f"model architecture {archs or '(none given)'} is not supported; loraserve supports "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def build_model(hf_config: Any, dtype, device, max_model_len: int):
+    from loraserve.model.llama import LlamaFamilyForCausalLM
+
+    check_architecture(hf_config)
+    # Build straight on the device in the target dtype: no full-size fp32 copy.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaFamilyForCausalLM(hf_config, max_model_len=max_model_len)
+    finally:
+        torch.set_default_dtype(previous)
+    return model
