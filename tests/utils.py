@@ -167,17 +167,20 @@ def hf_greedy(
 
         model = PeftModel.from_pretrained(model, str(adapter_dir))
     model.eval()
+    # A plain argmax loop rather than generate(): generate's min_new_tokens would
+    # mask EOS, while our ignore_eos only keeps going after it.
     ids = torch.tensor([prompt_token_ids])
+    past = None
+    out: list[int] = []
     with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt_token_ids):].tolist()
+        step_ids = ids
+        for _ in range(max_new_tokens):
+            res = model(input_ids=step_ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            token = int(res.logits[0, -1].argmax())
+            out.append(token)
+            step_ids = torch.tensor([[token]])
+    return out
 
 
 def read_json(path: str | Path) -> dict:

@@ -102,7 +102,7 @@ class EngineCore:
         free or held by an adapter no running request uses."""
         manager = self._require_lora()
         busy = self.scheduler.running_loras()
-        manager.add(lora_request, pinned=pinned, protected=busy)
+        manager.add(lora_request, pinned=pinned)
         try:
             manager.activate(lora_request.lora_name, protected=busy)
         except RuntimeError:
@@ -129,7 +129,7 @@ class EngineCore:
         ready: set[str] = set()
         if self.lora_manager is not None:
             busy = self.scheduler.running_loras()
-            for name, error in self.lora_manager.poll_loads(protected=busy):
+            for name, error in self.lora_manager.poll_loads():
                 if error is not None:
                     outputs += self._fail_requests_of(name, str(error), queue=False)
             ready = {
@@ -160,7 +160,10 @@ class EngineCore:
                 ) if samples else None,
             ))
         step = StepInput(seqs)
-        slots = self.lora_manager.set_active(step.lora_names()) if self.lora_manager else {}
+        slots = (
+            self.lora_manager.set_active(step.lora_names(), self.scheduler.running_loras())
+            if self.lora_manager else {}
+        )
         result = self.runner.execute(step, slots)
 
         outputs = []

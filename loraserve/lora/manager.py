@@ -85,20 +85,21 @@ class LoRAManager:
         except Exception as e:  # corrupt files and the like: still the adapter's fault
             raise LoRAError(lora_request.lora_name, f"{type(e).__name__}: {e}") from e
 
-    def add(self, lora_request: LoRARequest, pinned: bool = False,
-            protected: Iterable[str] = ()) -> LoRAModel:
+    def add(self, lora_request: LoRARequest, pinned: bool = False) -> LoRAModel:
         """Load synchronously (load before evict), put into the CPU cache."""
         lora = self.load(lora_request)
-        self.insert(lora, protected)
+        self.insert(lora)
         if pinned:
             self.cpu_cache.pin(lora.name)
         return lora
 
-    def insert(self, lora: LoRAModel, protected: Iterable[str] = ()) -> None:
+    def insert(self, lora: LoRAModel) -> None:
+        # Strict LRU: an evicted adapter that a running request uses keeps its device
+        # slot (set_active protects those), so nothing in flight loses its weights.
         if lora.name in self.slots:
             # load_inplace: the slot must show the new weights.
             self._write_slot(self.slots.peek(lora.name), lora)
-        for name, _ in self.cpu_cache.put(lora.name, lora, protected):
+        for name, _ in self.cpu_cache.put(lora.name, lora):
             logger.info("LoRA %s evicted from the CPU cache", name)
 
     def start_background_load(self, lora_request: LoRARequest) -> None:
@@ -109,7 +110,7 @@ class LoRAManager:
     def is_loading(self, name: str) -> bool:
         return name in self._loading
 
-    def poll_loads(self, protected: Iterable[str] = ()) -> list[tuple[str, LoRAError | None]]:
+    def poll_loads(self) -> list[tuple[str, LoRAError | None]]:
         """Move finished background loads into the CPU cache; report failures."""
         done = []
         for name, (_req, future) in list(self._loading.items()):
@@ -117,7 +118,7 @@ class LoRAManager:
                 continue
             del self._loading[name]
             try:
-                self.insert(future.result(), protected)
+                self.insert(future.result())
                 done.append((name, None))
             except LoRAError as e:
                 done.append((name, e))
@@ -174,13 +175,15 @@ class LoRAManager:
             self.slots.pin(name)
         return slot
 
-    def set_active(self, names: set[str]) -> dict[str, int]:
-        """Slots for every adapter of this step (at most max_loras of them)."""
+    def set_active(self, names: set[str], running: Iterable[str] = ()) -> dict[str, int]:
+        """Slots for every adapter of this step (at most max_loras of them). Adapters
+        of running requests keep their slots even when not scheduled this step."""
         if len(names) > self.config.max_loras:
             raise RuntimeError(
                 f"{len(names)} adapters in one step exceed max_loras={self.config.max_loras}"
             )
-        return {name: self.activate(name, protected=names) for name in names}
+        protected = set(names) | set(running)
+        return {name: self.activate(name, protected=protected) for name in names}
 
     def _write_slot(self, slot: int, lora: LoRAModel | None) -> None:
         with torch.no_grad():

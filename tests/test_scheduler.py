@@ -1,0 +1,119 @@
+"""The scheduler: the max_loras rule, the order of skipped requests, chunked
+prefill within the token budget, and preemption when KV blocks run out."""
+
+from __future__ import annotations
+
+from loraserve.config import SchedulerConfig
+from loraserve.engine.kv_blocks import KVBlockManager
+from loraserve.engine.request import Request, RequestStatus
+from loraserve.engine.scheduler import Scheduler
+from loraserve.lora.request import LoRARequest
+from loraserve.sampling_params import SamplingParams
+
+
+def _req(rid: str, lora: str | None, prompt_len: int = 4) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(prompt_len)),
+        sampling_params=SamplingParams(max_tokens=100),
+        eos_token_id=None,
+        lora_request=LoRARequest(lora, abs(hash(lora)) % 1000 + 1, "/x") if lora else None,
+        arrival_time=0.0,
+    )
+
+
+def _sched(max_loras=2, max_num_seqs=16, budget=1000, blocks=1000, block_size=4) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                             max_model_len=1000)
+    return Scheduler(config, KVBlockManager(blocks, block_size), max_loras)
+
+
+def _finish_step(sched: Scheduler, out) -> None:
+    """What the engine does after a step: count computed tokens, append a token."""
+    for req, n in out.scheduled:
+        req.num_computed_tokens += n
+        if req.num_computed_tokens == req.num_tokens:
+            req.output_token_ids.append(1)
+
+
+def test_never_more_adapters_than_max_loras_and_skipped_keep_order():
+    sched = _sched(max_loras=2)
+    reqs = [_req(f"r{i}", lora) for i, lora in enumerate(
+        ["a", "b", "c", None, "a", "d", "b", "c", None, "e"])]
+    for r in reqs:
+        sched.add_request(r)
+    ready = {"a", "b", "c", "d", "e"}
+    out = sched.schedule(ready)
+    scheduled = [r.request_id for r, _ in out.scheduled]
+    # a, b fill the two adapter places; c, d, e wait; base requests and a/b go.
+    assert scheduled == ["r0", "r1", "r3", "r4", "r6", "r8"]
+    assert [r.request_id for r in sched.waiting] == ["r2", "r5", "r7", "r9"]
+    assert sched.running_loras() == {"a", "b"}
+    _finish_step(sched, out)
+    # While a and b run, the skipped ones stay at the front in their order.
+    out = sched.schedule(ready)
+    assert {r.lora_name for r, _ in out.scheduled} - {None} == {"a", "b"}
+    assert [r.request_id for r in sched.waiting] == ["r2", "r5", "r7", "r9"]
+    # Finish everything that uses "a": one place frees, and c (first in line) takes it.
+    for r in list(sched.running):
+        if r.lora_name == "a":
+            sched.finish(r)
+    out = sched.schedule(ready)
+    assert sched.running_loras() == {"b", "c"}
+    assert [r.request_id for r in sched.waiting] == ["r5", "r9"]
+
+
+def test_every_step_respects_max_loras():
+    sched = _sched(max_loras=3, max_num_seqs=5)
+    names = ["a", "b", "c", "d", "e", "f", None]
+    for i in range(40):
+        sched.add_request(_req(f"r{i}", names[(i * 5) % len(names)]))
+    ready = set(names) - {None}
+    for step in range(200):
+        out = sched.schedule(ready)
+        assert len({r.lora_name for r, _ in out.scheduled} - {None}) <= 3
+        assert len(sched.running_loras()) <= 3
+        _finish_step(sched, out)
+        for r in list(sched.running):
+            if len(r.output_token_ids) >= 3:
+                sched.finish(r)
+        if not sched.has_requests():
+            break
+    assert not sched.has_requests(), "every request should finish"
+
+
+def test_adapter_not_ready_is_skipped_and_reported_for_loading():
+    sched = _sched(max_loras=2)
+    sched.add_request(_req("slow", "cold"))
+    sched.add_request(_req("base", None))
+    out = sched.schedule(ready_loras=set())
+    assert [r.request_id for r, _ in out.scheduled] == ["base"]
+    assert [lr.lora_name for lr in out.loras_to_load] == ["cold"]
+    assert [r.request_id for r in sched.waiting] == ["slow"]
+
+
+def test_chunked_prefill_respects_token_budget():
+    sched = _sched(budget=6)
+    a, b = _req("a", None, prompt_len=10), _req("b", None, prompt_len=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 6)]
+    _finish_step(sched, out)
+    out = sched.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 4), ("b", 2)]
+
+
+def test_preemption_frees_blocks_and_requeues_at_front():
+    # 4 blocks of 4 tokens: two 8-token prompts fill the cache exactly.
+    sched = _sched(blocks=4, block_size=4)
+    a, b = _req("a", None, prompt_len=8), _req("b", None, prompt_len=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    _finish_step(sched, out)
+    out = sched.schedule()  # both need a 3rd block to decode: b is preempted
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.block_ids == [] and list(sched.waiting) == [b]
+    assert [r.request_id for r, _ in out.scheduled] == ["a"]
