@@ -1,0 +1,307 @@
+"""The `loraserve` command: `loraserve serve MODEL [options]`, with vLLM's flags."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+import loraserve
+from loraserve.entrypoints.serving_models import LoRAModulePath
+
+ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+ENV_API_KEY = "LORASERVE_API_KEY"
+
+
+class CLIError(ValueError):
+    """A flag or a combination of flags that cannot work; the message says why."""
+
+
+def parse_lora_module(text: str) -> LoRAModulePath:
+    """`name=path`, or JSON {"name", "path", "base_model_name"?, "pinned"?}."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"invalid JSON in --lora-modules: {exc}") from exc
+        if not isinstance(data, dict) or not data.get("name") or not data.get("path"):
+            raise argparse.ArgumentTypeError(
+                f"--lora-modules JSON needs non-empty 'name' and 'path': {text}"
+            )
+        unknown = set(data) - {"name", "path", "base_model_name", "pinned"}
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"--lora-modules JSON has unknown keys {sorted(unknown)}: {text}"
+            )
+        return LoRAModulePath(
+            name=str(data["name"]),
+            path=str(data["path"]),
+            base_model_name=data.get("base_model_name"),
+            pinned=bool(data.get("pinned", False)),
+        )
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(
+            f"--lora-modules expects name=path or a JSON object, got {text!r}"
+        )
+    return LoRAModulePath(name=name.strip(), path=path.strip())
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows a default only where it says something (not None/False, not in the text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text.lower():
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _add_serve_parser(subparsers: Any) -> None:
+    serve = subparsers.add_parser(
+        "serve",
+        help="Start the OpenAI-compatible API server.",
+        description="Serve a base model and its LoRA adapters over an OpenAI-compatible API.",
+        formatter_class=_HelpFormatter,
+    )
+    serve.add_argument(
+        "model_tag", nargs="?", metavar="MODEL",
+        help="Model: a local Hugging Face folder, a Hub repo id, or a built-in model name.",
+    )
+    serve.add_argument("--model", default=None, help="Same as the positional MODEL.")
+
+    server = serve.add_argument_group("Server")
+    server.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
+    server.add_argument("--port", type=int, default=8000, help="Port to listen on.")
+    server.add_argument(
+        "--api-key", default=None,
+        help=f"Require 'Authorization: Bearer KEY' on /v1/* (also from ${ENV_API_KEY}).",
+    )
+    server.add_argument(
+        "--served-model-name", nargs="+", default=None,
+        help="Name(s) the base model answers to in the API (default: MODEL).",
+    )
+    server.add_argument(
+        "--chat-template", default=None,
+        help="A Jinja chat template file that replaces the tokenizer's own.",
+    )
+    server.add_argument(
+        "--uvicorn-log-level", default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="Log level of uvicorn.",
+    )
+
+    engine = serve.add_argument_group("Engine")
+    engine.add_argument("--tokenizer", default=None, help="Tokenizer folder (default: MODEL).")
+    engine.add_argument(
+        "--dtype", default="auto",
+        choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
+        help="Weight and activation dtype.",
+    )
+    engine.add_argument(
+        "--max-model-len", type=_positive_int, default=None,
+        help="Context length (prompt + output); default: the model's.",
+    )
+    engine.add_argument(
+        "--max-num-seqs", type=_positive_int, default=None,
+        help="Most sequences per step (default 256; lower on a CPU).",
+    )
+    engine.add_argument(
+        "--max-num-batched-tokens", type=_positive_int, default=None,
+        help="Token budget per step (default: chosen from the model and device).",
+    )
+    engine.add_argument("--block-size", type=_positive_int, default=16, help="KV block size.")
+    engine.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9,
+        help="Fraction of GPU memory for weights, activations and the KV cache.",
+    )
+    engine.add_argument(
+        "--device", default="auto", choices=["auto", "cuda", "cpu"],
+        help="Where to run the model (auto: cuda when available).",
+    )
+    engine.add_argument(
+        "--enforce-eager", action="store_true", help="Never use CUDA graphs."
+    )
+    engine.add_argument("--seed", type=int, default=0, help="Random seed (default: 0).")
+    engine.add_argument(
+        "--load-format", default="auto", choices=["auto", "dummy"],
+        help="dummy: random weights from the model's config, for benchmarks.",
+    )
+
+    lora = serve.add_argument_group("LoRA")
+    lora.add_argument("--enable-lora", action="store_true", help="Serve LoRA adapters.")
+    lora.add_argument(
+        "--lora-modules", nargs="+", type=parse_lora_module, default=None,
+        metavar="NAME=PATH|JSON",
+        help="Adapters to load at start-up: name=path, or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ..., "pinned": true}\'.',
+    )
+    lora.add_argument(
+        "--max-loras", type=_positive_int, default=1,
+        help="Most distinct adapters in one step (device slots).",
+    )
+    lora.add_argument(
+        "--max-lora-rank", type=int, default=16, choices=ALLOWED_LORA_RANKS,
+        help="Largest adapter rank served.",
+    )
+    lora.add_argument(
+        "--max-cpu-loras", type=_positive_int, default=None,
+        help="Adapters kept in CPU memory (default: --max-loras).",
+    )
+    lora.add_argument(
+        "--lora-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
+        help="dtype of the adapter weights (auto: the model's).",
+    )
+    lora.add_argument(
+        "--lora-target-modules", nargs="+", default=None,
+        help="Only these modules get LoRA (default: every supported module).",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="loraserve",
+        description="Serve many LoRA adapters of one base model, OpenAI-compatible.",
+    )
+    parser.add_argument("--version", action="version", version=loraserve.__version__)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_serve_parser(subparsers)
+    return parser
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig.from_kwargs arguments; unset options keep the engine's defaults."""
+    kwargs: dict[str, Any] = {
+        "model": args.model,
+        "tokenizer": args.tokenizer,
+        "dtype": args.dtype,
+        "device": args.device,
+        "seed": args.seed,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "enforce_eager": args.enforce_eager,
+        "load_format": args.load_format,
+        "enable_lora": args.enable_lora,
+        "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank,
+        "max_cpu_loras": args.max_cpu_loras,
+        "lora_dtype": args.lora_dtype,
+        "lora_target_modules": args.lora_target_modules,
+    }
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def validate_serve_args(args: argparse.Namespace) -> None:
+    """Reject flag combinations that cannot work, before anything loads."""
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise CLIError(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree")
+    args.model = args.model or args.model_tag
+    if not args.model:
+        raise CLIError("a MODEL is required: loraserve serve MODEL")
+    if not 0 < args.port < 65536:
+        raise CLIError(f"--port must be in 1..65535, got {args.port}")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise CLIError(
+            f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
+        )
+    modules = args.lora_modules or []
+    if modules and not args.enable_lora:
+        raise CLIError("--lora-modules needs --enable-lora")
+    names = [m.name for m in modules]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise CLIError(f"--lora-modules names must be unique; repeated: {duplicates}")
+    served = args.served_model_name or [args.model]
+    clash = sorted(set(names) & set(served))
+    if clash:
+        raise CLIError(f"adapter names {clash} clash with the served model name")
+    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
+        raise CLIError(
+            f"--max-cpu-loras ({args.max_cpu_loras}) must be at least --max-loras "
+            f"({args.max_loras})"
+        )
+    pinned = sum(m.pinned for m in modules)
+    if pinned > args.max_loras:
+        raise CLIError(f"{pinned} pinned adapters do not fit in --max-loras {args.max_loras}")
+    if args.chat_template and not os.path.isfile(args.chat_template):
+        raise CLIError(f"--chat-template {args.chat_template!r} is not a file")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from loraserve.config import EngineConfig
+    from loraserve.engine.tokenizer import eos_token_id, load_tokenizer
+    from loraserve.entrypoints.api_server import ServerSettings, serve
+
+    engine_kwargs = engine_kwargs_from_args(args)
+    try:
+        config = EngineConfig.from_kwargs(**engine_kwargs)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from exc
+    # The engine process gets the resolved paths, so that a built-in model or a Hub
+    # repo is resolved (and downloaded or converted) once, here.
+    engine_kwargs["model"] = config.model_config.model
+    engine_kwargs["tokenizer"] = config.model_config.tokenizer
+    tokenizer = load_tokenizer(config)
+    if args.chat_template:
+        with open(args.chat_template) as f:
+            tokenizer.chat_template = f.read()
+    settings = ServerSettings(
+        engine_kwargs=engine_kwargs,
+        served_model_names=args.served_model_name or [args.model],
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get(ENV_API_KEY) or None,
+        lora_modules=args.lora_modules or [],
+        max_loras=args.max_loras,
+        eos_token_id=eos_token_id(tokenizer, config.model_config.hf_config),
+        uvicorn_log_level=args.uvicorn_log_level,
+    )
+    try:
+        return asyncio.run(serve(settings, tokenizer))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "serve":
+        parser.print_help()
+        return 2
+    try:
+        validate_serve_args(args)
+        return run_serve(args)
+    except CLIError as exc:
+        parser.exit(2, f"loraserve serve: error: {exc}\n")
+    except OSError as exc:  # a busy port, an unreadable file
+        parser.exit(1, f"loraserve serve: error: {exc}\n")
+    except Exception as exc:  # noqa: BLE001 - start-up failures read as one clear line
+        from loraserve.engine.core_client import EngineStartError
+
+        if isinstance(exc, EngineStartError):
+            parser.exit(1, f"loraserve serve: the engine failed to start: {exc}\n")
+        if isinstance(exc, ValueError):
+            parser.exit(1, f"loraserve serve: error: {exc}\n")
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

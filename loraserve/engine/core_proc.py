@@ -1,0 +1,263 @@
+"""The engine-core process: runs EngineCore in a loop behind two ZMQ sockets.
+
+The API server binds both sockets and starts this process; here we connect, build
+the engine, say READY, then loop: take every queued request, abort and utility
+call, run one step when there is work, and push the step's outputs back. The
+process exits on SHUTDOWN, SIGTERM/SIGINT, or as soon as its parent is gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from loraserve.engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
+from loraserve.engine.utility import (
+    EngineFailed,
+    EngineReady,
+    InputDecoder,
+    InputKind,
+    OutputKind,
+    UtilityCall,
+    UtilityResult,
+    encode,
+)
+from loraserve.lora.request import LoRARequest
+
+# Only these EngineCore methods may be called from the front end.
+UTILITY_METHODS = frozenset({"add_lora", "remove_lora", "list_loras", "get_stats", "pin_lora"})
+# Test-only: "name=seconds,..." slows the disk load of those adapters, to show that a
+# slow load does not stall other requests.
+ENV_TEST_LOAD_DELAY = "LORASERVE_TEST_LORA_LOAD_DELAY"
+# Stats go out with every step that has outputs, and at least this often otherwise
+# so that the metrics follow an idle engine too.
+_STATS_INTERVAL_S = 0.25
+_IDLE_POLL_MS = 100
+# A step that produced nothing (requests waiting on an adapter load) should not spin
+# a core at 100 %: wait this long for new input before the next step.
+_EMPTY_STEP_POLL_MS = 2
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the parent dies, so no engine is orphaned."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent-pid check in the loop still catches it
+
+
+def lora_memory_usage(core: Any) -> dict[str, int]:
+    """Bytes of adapter weights the engine holds in its CPU cache, per adapter.
+
+    Device slots are fixed buffers sized at start-up; an unloaded adapter's slot is
+    zeroed and reused, so the CPU cache is where an unload gives memory back.
+    """
+    manager = getattr(core, "lora_manager", None)
+    if manager is None:
+        return {}
+    cache = manager.cpu_cache
+    return {name: cache.peek(name).nbytes() for name in cache.keys()}
+
+
+def _install_test_load_delay(core: Any) -> None:
+    spec = os.environ.get(ENV_TEST_LOAD_DELAY)
+    manager = getattr(core, "lora_manager", None)
+    if not spec or manager is None:
+        return
+    delays = {}
+    for item in spec.split(","):
+        name, _, seconds = item.partition("=")
+        delays[name.strip()] = float(seconds)
+    load = manager.load
+
+    def slow_load(lora_request: LoRARequest) -> Any:
+        time.sleep(delays.get(lora_request.lora_name, 0.0))
+        return load(lora_request)
+
+    manager.load = slow_load
+
+
+def _engine_core_class() -> type:
+    # Tests may swap in a slow or failing engine; production always uses EngineCore.
+    spec = os.environ.get("LORASERVE_TEST_ENGINE_CORE")
+    if spec:
+        module, _, name = spec.partition(":")
+        return getattr(importlib.import_module(module), name)
+    from loraserve.engine.engine_core import EngineCore
+
+    return EngineCore
+
+
+class _Stop(BaseException):
+    """Raised by the signal handler; a BaseException so no `except Exception` eats it."""
+
+
+class EngineCoreProc:
+    """Owns the sockets and the loop around one EngineCore."""
+
+    def __init__(self, core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int):
+        self.core = core
+        self.in_sock = in_sock
+        self.out_sock = out_sock
+        self.parent_pid = parent_pid
+        self.decoder = InputDecoder()
+        self.stop = False
+        self._last_stats = 0.0
+        self._was_busy = False
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.in_sock, zmq.POLLIN)
+        timeout = _IDLE_POLL_MS
+        while not self.stop:
+            if poller.poll(timeout):
+                self._drain_inputs()
+            if self.stop or os.getppid() != self.parent_pid:
+                return
+            busy = self.core.has_unfinished_requests()
+            if busy:
+                outputs = self.core.step()
+                self._send_outputs(outputs, force=bool(outputs.outputs))
+                timeout = 0 if outputs.outputs else _EMPTY_STEP_POLL_MS
+            else:
+                # Going idle: report it at once so running/waiting gauges drop to 0.
+                self._send_outputs(None, force=self._was_busy)
+                timeout = _IDLE_POLL_MS
+            self._was_busy = busy
+
+    def _send_outputs(self, outputs: EngineCoreOutputs | None, force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_stats < _STATS_INTERVAL_S:
+            return
+        if outputs is None:
+            outputs = EngineCoreOutputs()
+        if outputs.stats is None:
+            outputs.stats = self.core.get_stats()
+        self._last_stats = now
+        self.out_sock.send_multipart(encode(OutputKind.OUTPUTS, outputs), copy=False)
+
+    def _drain_inputs(self) -> None:
+        while True:
+            try:
+                frames = self.in_sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind, payload = self.decoder.decode(frames)
+            if kind is InputKind.ADD:
+                self._add_request(payload)
+            elif kind is InputKind.ABORT:
+                self.core.abort_requests(payload)
+            elif kind is InputKind.UTILITY:
+                self._call_utility(payload)
+            elif kind is InputKind.SHUTDOWN:
+                self.stop = True
+                return
+
+    def _add_request(self, request: EngineCoreRequest) -> None:
+        try:
+            self.core.add_request(request)
+        except Exception as exc:  # noqa: BLE001 - any bad request fails alone
+            # The front end is waiting on this id: answer it instead of dropping it.
+            failed = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                error=str(exc) or type(exc).__name__,
+            )
+            self._send_outputs(EngineCoreOutputs(outputs=[failed]), force=True)
+
+    def _call_utility(self, call: UtilityCall) -> None:
+        result = UtilityResult(call_id=call.call_id)
+        try:
+            args = list(call.args)
+            if call.method == "lora_memory_usage":
+                result.result = lora_memory_usage(self.core)
+            elif call.method in UTILITY_METHODS and hasattr(self.core, call.method):
+                if call.method == "add_lora":
+                    args[0] = msgspec.convert(args[0], LoRARequest)
+                result.result = getattr(self.core, call.method)(*args)
+            else:
+                raise ValueError(f"unknown engine utility method {call.method!r}")
+        except Exception as exc:  # noqa: BLE001 - reported back to the caller
+            result.error_type = type(exc).__name__
+            result.error = str(exc) or type(exc).__name__
+        self.out_sock.send_multipart(encode(OutputKind.UTILITY_RESULT, result), copy=False)
+
+
+def run_engine_core(
+    engine_kwargs: dict[str, Any], input_addr: str, output_addr: str, parent_pid: int
+) -> None:
+    """Process entry point (multiprocessing target)."""
+    _die_with_parent()
+
+    def _on_signal(signum: int, frame: Any) -> None:
+        raise _Stop()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+
+    ctx = zmq.Context()
+    in_sock = ctx.socket(zmq.PULL)
+    out_sock = ctx.socket(zmq.PUSH)
+    for sock in (in_sock, out_sock):
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+    in_sock.connect(input_addr)
+    out_sock.connect(output_addr)
+    exit_code = 0
+    try:
+        if os.getppid() != parent_pid:
+            return
+        try:
+            from loraserve.config import EngineConfig
+
+            config = EngineConfig.from_kwargs(**engine_kwargs)
+            core = _engine_core_class()(config)
+            _install_test_load_delay(core)
+        except Exception as exc:  # noqa: BLE001 - sent to the parent, which prints it
+            traceback.print_exc()
+            message = f"{type(exc).__name__}: {exc}"
+            out_sock.send_multipart(encode(OutputKind.FAILED, EngineFailed(error=message)))
+            exit_code = 1
+            return
+        ready = EngineReady(
+            pid=os.getpid(),
+            max_model_len=config.model_config.max_model_len,
+            model_path=str(config.model_config.model),
+        )
+        out_sock.send_multipart(encode(OutputKind.READY, ready))
+        try:
+            EngineCoreProc(core, in_sock, out_sock, parent_pid).run()
+        finally:
+            if hasattr(core, "shutdown"):
+                core.shutdown()
+    except _Stop:
+        pass
+    except Exception:  # noqa: BLE001 - a crash must still end the process cleanly
+        traceback.print_exc()
+        exit_code = 1
+    finally:
+        in_sock.close(linger=0)
+        out_sock.close(linger=500)
+        ctx.term()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Background adapter-loading threads must not keep a dead engine alive.
+        os._exit(exit_code)

@@ -1,0 +1,304 @@
+"""The HTTP app and the life of the server process.
+
+`run_server` binds the port first (a busy port fails before any model loads),
+starts the engine-core process, waits until it is ready, loads the
+`--lora-modules` adapters, then serves on uvicorn. It stops the engine on the
+way out, whatever the reason: a signal, an error, or the engine's own death.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import loraserve
+from loraserve.engine.core_client import AsyncEngineClient, EngineDeadError
+from loraserve.entrypoints.errors import APIError, bad_request, engine_unavailable
+from loraserve.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
+from loraserve.entrypoints.serving_chat import OpenAIServingChat
+from loraserve.entrypoints.serving_completion import OpenAIServingCompletion
+from loraserve.entrypoints.serving_models import LoRAModulePath, ServingModels
+from loraserve.lora.resolver import load_resolvers
+from loraserve.metrics import CONTENT_TYPE, ServerMetrics
+
+logger = logging.getLogger("loraserve.api_server")
+
+ENV_ALLOW_RUNTIME_LORA = "LORASERVE_ALLOW_RUNTIME_LORA_UPDATING"
+ENV_KEEP_ALIVE_ON_ENGINE_DEATH = "LORASERVE_KEEP_ALIVE_ON_ENGINE_DEATH"
+ENV_ENGINE_READY_TIMEOUT = "LORASERVE_ENGINE_READY_TIMEOUT_S"
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass
+class ServerSettings:
+    """Everything `loraserve serve` needs besides the engine's own kwargs."""
+
+    engine_kwargs: dict[str, Any]
+    served_model_names: list[str]
+    host: str | None = None
+    port: int = 8000
+    api_key: str | None = None
+    lora_modules: list[LoRAModulePath] = field(default_factory=list)
+    max_loras: int = 1
+    eos_token_id: int | None = None
+    uvicorn_log_level: str = "info"
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngineClient
+    models: ServingModels
+    completion: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    metrics: ServerMetrics
+    api_key: str | None
+    allow_runtime_lora: bool
+
+
+class GuardMiddleware:
+    """Pure ASGI (so streaming and disconnects pass through untouched): checks the
+    API key on /v1/*, and answers 503 while the engine is gone."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            error = None
+            key = self.state.api_key
+            if key and scope.get("method") != "OPTIONS":
+                headers = dict(scope.get("headers") or [])
+                given = headers.get(b"authorization", b"").decode("latin-1")
+                if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                    error = APIError(401, "Invalid or missing API key.")
+            if error is None and self.state.engine.is_dead:
+                error = engine_unavailable()
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Run a handler, cancelling it (so its request is aborted in the engine) if
+    the client goes away first. Returns None in that case."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
+def _to_response(result: Any) -> Response:
+    if result is None:  # the client is gone; nobody reads this
+        return Response(status_code=499)
+    if isinstance(result, BaseModel):
+        return JSONResponse(result.model_dump())
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        # Inside uvicorn's shutdown, before it re-raises the signal it caught.
+        await state.engine.shutdown()
+
+    app = FastAPI(title="loraserve", version=loraserve.__version__, lifespan=lifespan)
+    app.state.server = state
+    app.add_middleware(GuardMiddleware, state=state)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # One line per field: a union type (like `prompt`) reports once, not per member.
+        fields: dict[str, str] = {}
+        for err in exc.errors():
+            loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+            fields.setdefault(loc[0] if loc else "body", str(err.get("msg")))
+        message = "; ".join(f"{name}: {msg}" for name, msg in fields.items())
+        param = next(iter(fields), None)
+        return bad_request(message or "Invalid request.", param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return engine_unavailable().response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error in %s", request.url.path)
+        return APIError(500, f"Internal error: {type(exc).__name__}: {exc}").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if state.engine.is_dead else 200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": loraserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse(state.models.list_models().model_dump())
+
+    @app.get("/v1/engine_stats")
+    async def engine_stats() -> JSONResponse:
+        """The scheduler's state and the bytes of adapter weights the engine holds."""
+        stats = await state.engine.get_stats()
+        memory = await state.engine.lora_memory_usage()
+        return JSONResponse({
+            "engine_pid": state.engine.engine_pid,
+            "scheduler": msgspec.structs.asdict(stats),
+            "lora_memory_bytes": memory,
+        })
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw_request: Request) -> Response:
+        work = state.completion.create_completion(body)
+        return _to_response(await run_until_disconnect(raw_request, work))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        work = state.chat.create_chat_completion(body)
+        return _to_response(await run_until_disconnect(raw_request, work))
+
+    if state.allow_runtime_lora:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            return PlainTextResponse(await state.models.load_lora_adapter(body))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            return PlainTextResponse(await state.models.unload_lora_adapter(body))
+
+    return app
+
+
+def bind_socket(host: str | None, port: int) -> socket.socket:
+    """Bind the listening socket now, so a busy port fails before the model loads."""
+    family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host or "0.0.0.0", port))
+    sock.set_inheritable(False)
+    return sock
+
+
+async def serve(settings: ServerSettings, tokenizer: Any) -> int:
+    """Run the server until a signal or the engine's death; returns the exit code."""
+    sock = bind_socket(settings.host, settings.port)
+    metrics = ServerMetrics(settings.served_model_names[0], settings.max_loras)
+    engine = AsyncEngineClient(tokenizer, settings.eos_token_id, metrics)
+    exit_code = 0
+    loop = asyncio.get_running_loop()
+    # Until uvicorn takes the signals over, SIGTERM cancels start-up (SIGINT already
+    # does, through asyncio.run); the finally below still stops the engine.
+    loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    try:
+        timeout = float(os.environ.get(ENV_ENGINE_READY_TIMEOUT, "1800"))
+        ready = await engine.start(settings.engine_kwargs, timeout)
+        logger.info("engine core ready (pid %d, max_model_len %d)", ready.pid,
+                    ready.max_model_len)
+        allow_runtime = env_flag(ENV_ALLOW_RUNTIME_LORA)
+        models = ServingModels(
+            engine,
+            settings.served_model_names,
+            ready.model_path,
+            ready.max_model_len,
+            resolvers=load_resolvers() if allow_runtime else [],
+            allow_runtime_updates=allow_runtime,
+        )
+        await models.init_static_loras(settings.lora_modules)
+        state = ServerState(
+            engine=engine,
+            models=models,
+            completion=OpenAIServingCompletion(engine, models, tokenizer, ready.max_model_len),
+            chat=OpenAIServingChat(engine, models, tokenizer, ready.max_model_len),
+            metrics=metrics,
+            api_key=settings.api_key,
+            allow_runtime_lora=allow_runtime,
+        )
+        config = uvicorn.Config(
+            build_app(state),
+            log_level=settings.uvicorn_log_level,
+            timeout_graceful_shutdown=4,
+            timeout_keep_alive=5,
+        )
+        server = uvicorn.Server(config)
+
+        async def stop_when_engine_dies() -> None:
+            nonlocal exit_code
+            await engine.dead.wait()
+            if server.should_exit or engine.shutting_down:
+                return
+            if env_flag(ENV_KEEP_ALIVE_ON_ENGINE_DEATH):
+                logger.error("the engine core died; answering 503 until stopped")
+                return
+            logger.error("the engine core died; shutting down the API server")
+            exit_code = 1
+            server.should_exit = True
+
+        watcher = asyncio.create_task(stop_when_engine_dies())
+        loop.remove_signal_handler(signal.SIGTERM)
+        # uvicorn re-raises the signal it handled once it has shut down; with these
+        # no-op handlers in place that ends serve() normally instead of killing us.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+        host = settings.host or "0.0.0.0"
+        logger.info("serving %s on http://%s:%d", ", ".join(settings.served_model_names),
+                    host, settings.port)
+        await server.serve(sockets=[sock])
+        watcher.cancel()
+    finally:
+        await engine.shutdown()
+        sock.close()
+    return exit_code

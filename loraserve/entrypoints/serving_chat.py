@@ -1,0 +1,238 @@
+"""POST /v1/chat/completions: the tokenizer's chat template, then generation."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from loraserve.engine.core_client import AsyncEngineClient, EngineDeadError
+from loraserve.entrypoints.errors import APIError, bad_request, engine_unavailable
+from loraserve.entrypoints.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from loraserve.entrypoints.serving_common import (
+    SSE_DONE,
+    TokenText,
+    build_sampling_params,
+    check_unsupported,
+    finish_error,
+    resolve_max_tokens,
+    sse,
+    sse_error,
+    top_entries,
+)
+from loraserve.entrypoints.serving_models import ServingModels
+
+
+def _message_dict(message: Any) -> dict[str, Any]:
+    """A chat message as the template expects it; content parts must be text."""
+    data = message.model_dump(exclude_none=True)
+    content = data.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(
+                    f"Only text content parts are supported, got type {part.get('type')!r}.",
+                    param="messages",
+                )
+            texts.append(part["text"])
+        data["content"] = "\n".join(texts)
+    return data
+
+
+class OpenAIServingChat:
+    def __init__(
+        self, engine: AsyncEngineClient, models: ServingModels, tokenizer: Any, max_model_len: int
+    ) -> None:
+        self.engine = engine
+        self.models = models
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def render_prompt(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """Apply the chat template; the template itself adds any BOS token."""
+        if not request.messages:
+            raise bad_request("messages must not be empty.", param="messages")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request("This model has no chat template; use /v1/completions.")
+        messages = [_message_dict(m) for m in request.messages]
+        kwargs = dict(request.chat_template_kwargs or {})
+        if request.tools:
+            kwargs["tools"] = request.tools
+        try:
+            prompt = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=request.add_generation_prompt
+                and not request.continue_final_message,
+                continue_final_message=request.continue_final_message,
+                **kwargs,
+            )
+        except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
+            raise bad_request(f"Could not apply the chat template: {exc}", "messages") from exc
+        ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
+        if not ids:
+            raise bad_request("The rendered prompt is empty.", param="messages")
+        return prompt, ids
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
+        check_unsupported(request)
+        if request.response_format and request.response_format.get("type", "text") != "text":
+            raise bad_request("Only response_format type 'text' is supported.", "response_format")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true.", param="top_logprobs")
+        lora = await self.models.resolve(request.model)
+        prompt, ids = self.render_prompt(request)
+        if request.max_completion_tokens is not None:
+            param, requested = "max_completion_tokens", request.max_completion_tokens
+        else:
+            param, requested = "max_tokens", request.max_tokens
+        max_tokens = resolve_max_tokens(requested, len(ids), self.max_model_len, param)
+        top_k = (request.top_logprobs or 0) if request.logprobs else None
+        params = build_sampling_params(request, max_tokens, top_k)
+        if self.engine.is_dead:
+            raise engine_unavailable()
+        request_id = random_id("chatcmpl")
+        stream = self.engine.generate(request_id, prompt, ids, params, lora)
+        model_name = request.model or self.models.base_model_name
+        token_text = TokenText(self.tokenizer, bool(request.return_tokens_as_token_ids))
+        if request.stream:
+            return self._stream(request, request_id, model_name, len(ids), stream, token_text)
+        return await self._full(request, request_id, model_name, len(ids), stream, token_text)
+
+    async def _full(self, request, request_id, model_name, prompt_len, stream, token_text):
+        final = None
+        try:
+            async for output in stream:
+                final = output
+        except EngineDeadError as exc:
+            raise engine_unavailable() from exc
+        outputs = sorted(final.outputs, key=lambda o: o.index)
+        error = finish_error(outputs)
+        if error is not None:
+            raise error
+        choices = [
+            ChatCompletionChoice(
+                index=out.index,
+                message=ChatResponseMessage(content=out.text),
+                logprobs=_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0,
+                                   token_text) if request.logprobs else None,
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+            )
+            for out in outputs
+        ]
+        completion_tokens = sum(len(out.token_ids) for out in outputs)
+        return ChatCompletionResponse(
+            id=request_id,
+            model=model_name,
+            choices=choices,
+            usage=UsageInfo(
+                prompt_tokens=prompt_len,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_len + completion_tokens,
+            ),
+        )
+
+    async def _stream(self, request, request_id, model_name, prompt_len, stream, token_text):
+        created = int(time.time())
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+            body = ChatCompletionChunk(
+                id=request_id, created=created, model=model_name, choices=choices, usage=usage
+            )
+            data = body.model_dump()
+            if usage is None:
+                del data["usage"]
+            for choice in data["choices"]:
+                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            return sse(data)
+
+        # The first chunk of each choice carries the role, as OpenAI's does.
+        for index in range(request.n):
+            yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant",
+                                                                          content=""))])
+        finished: set[int] = set()
+        completion_tokens = 0
+        try:
+            async with aclosing(stream):
+                async for output in stream:
+                    for out in output.outputs:
+                        if out.index in finished:
+                            continue
+                        if out.finish_reason == "error":
+                            yield sse_error(finish_error([out]))
+                            yield SSE_DONE
+                            return
+                        completion_tokens += len(out.delta_token_ids)
+                        # Tokens that end inside a character or could start a stop
+                        # string give no text yet; send them with the next delta.
+                        if not out.delta_text and not out.finish_reason and not request.logprobs:
+                            continue
+                        if out.finish_reason is not None:
+                            finished.add(out.index)
+                        logprobs = None
+                        if request.logprobs:
+                            logprobs = _logprobs(out.delta_token_ids, out.delta_logprobs,
+                                                 request.top_logprobs or 0, token_text)
+                        yield chunk([ChatStreamChoice(
+                            index=out.index,
+                            delta=DeltaMessage(content=out.delta_text),
+                            logprobs=logprobs,
+                            finish_reason=out.finish_reason,
+                            stop_reason=out.stop_reason,
+                        )])
+        except EngineDeadError:
+            yield sse_error(engine_unavailable())
+            yield SSE_DONE
+            return
+        except APIError as exc:
+            yield sse_error(exc)
+            yield SSE_DONE
+            return
+        if include_usage:
+            yield chunk([], UsageInfo(
+                prompt_tokens=prompt_len,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_len + completion_tokens,
+            ))
+        yield SSE_DONE
+
+
+def _logprobs(
+    token_ids: list[int],
+    logprobs: list[dict[int, float]] | None,
+    k: int,
+    token_text: TokenText,
+) -> ChatChoiceLogprobs:
+    content = []
+    for position, token_id in enumerate(token_ids):
+        entry = logprobs[position] if logprobs and position < len(logprobs) else {}
+        text = token_text(token_id)
+        content.append(ChatTokenLogprob(
+            token=text,
+            logprob=entry.get(token_id, -9999.0),
+            bytes=list(text.encode("utf-8")),
+            top_logprobs=[
+                TopLogprob(token=token_text(t), logprob=lp, bytes=list(token_text(t).encode()))
+                for t, lp in top_entries(entry, k)
+            ],
+        ))
+    return ChatChoiceLogprobs(content=content)

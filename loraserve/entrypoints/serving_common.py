@@ -1,0 +1,165 @@
+"""What completions and chat completions share: request checks, sampling
+parameters, logprob formatting, SSE framing and merging of several streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from loraserve.entrypoints.errors import APIError, bad_request
+from loraserve.entrypoints.protocol import SamplingFields
+from loraserve.sampling_params import SamplingParams
+
+# vLLM's default --max-logprobs.
+MAX_LOGPROBS = 20
+
+
+def check_unsupported(request: SamplingFields) -> None:
+    if request.logit_bias:
+        raise bad_request("logit_bias is not supported by this server.", param="logit_bias")
+    if request.n < 1:
+        raise bad_request(f"n must be at least 1, got {request.n}.", param="n")
+
+
+def resolve_max_tokens(
+    requested: int | None, prompt_len: int, max_model_len: int, param: str = "max_tokens"
+) -> int:
+    """The number of tokens to generate; 400 when the prompt and output do not fit."""
+    if prompt_len >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {prompt_len} tokens. Please reduce the length of the input.",
+            param="messages" if param == "max_completion_tokens" else "prompt",
+        )
+    if requested is None:
+        return max_model_len - prompt_len
+    if requested < 1:
+        raise bad_request(f"{param} must be at least 1, got {requested}.", param=param)
+    if prompt_len + requested > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + requested} tokens ({prompt_len} in the input, "
+            f"{requested} in the completion). Please reduce the length of the input or "
+            "completion.",
+            param=param,
+        )
+    return requested
+
+
+def build_sampling_params(
+    request: SamplingFields, max_tokens: int, logprobs: int | None
+) -> SamplingParams:
+    """SamplingParams from an OpenAI request; invalid values become a 400."""
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        raise bad_request(
+            f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}.", param="logprobs"
+        )
+    fields: dict[str, Any] = {
+        "n": request.n,
+        "temperature": 1.0 if request.temperature is None else request.temperature,
+        "top_p": 1.0 if request.top_p is None else request.top_p,
+        "top_k": 0 if request.top_k is None else request.top_k,
+        "min_p": 0.0 if request.min_p is None else request.min_p,
+        "seed": request.seed,
+        "presence_penalty": request.presence_penalty or 0.0,
+        "frequency_penalty": request.frequency_penalty or 0.0,
+        "repetition_penalty": (
+            1.0 if request.repetition_penalty is None else request.repetition_penalty
+        ),
+        "max_tokens": max_tokens,
+        "min_tokens": request.min_tokens,
+        "stop": request.stop,
+        "stop_token_ids": request.stop_token_ids,
+        "ignore_eos": request.ignore_eos,
+        "logprobs": logprobs,
+        "skip_special_tokens": request.skip_special_tokens,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+    }
+    try:
+        return SamplingParams(**fields)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(str(exc)) from exc
+
+
+class TokenText:
+    """Decodes single tokens for logprob listings, as text or as `token_id:N`."""
+
+    def __init__(self, tokenizer: Any, as_ids: bool) -> None:
+        self.tokenizer = tokenizer
+        self.as_ids = as_ids
+
+    def __call__(self, token_id: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def top_entries(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k most likely (token_id, logprob) pairs, most likely first."""
+    return sorted(logprobs.items(), key=lambda item: item[1], reverse=True)[:k]
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(error: APIError) -> str:
+    return sse(error.body())
+
+
+def finish_error(outputs: list[Any]) -> APIError | None:
+    """A 400 for the first choice that the engine failed (for example its adapter
+    did not load), with the engine's reason."""
+    for output in outputs:
+        if output.finish_reason == "error":
+            return bad_request(output.error or "The request failed in the engine.")
+    return None
+
+
+async def merge_streams(
+    streams: list[AsyncIterator[Any]],
+) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several async iterators as (stream index, item), in arrival order.
+
+    Closing the merged iterator (a client went away) cancels every stream, which
+    aborts their requests in the engine.
+    """
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as stream:
+            async for item in stream:
+                yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async with aclosing(stream):
+                async for item in stream:
+                    await queue.put((index, item))
+            await queue.put((index, done))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,232 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from loraserve.engine.core_client import AsyncEngineClient, EngineDeadError
+from loraserve.entrypoints.errors import APIError, bad_request, engine_unavailable
+from loraserve.entrypoints.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from loraserve.entrypoints.serving_common import (
+    SSE_DONE,
+    TokenText,
+    build_sampling_params,
+    check_unsupported,
+    finish_error,
+    merge_streams,
+    resolve_max_tokens,
+    sse,
+    sse_error,
+    top_entries,
+)
+from loraserve.entrypoints.serving_models import ServingModels
+
+
+class OpenAIServingCompletion:
+    def __init__(
+        self, engine: AsyncEngineClient, models: ServingModels, tokenizer: Any, max_model_len: int
+    ) -> None:
+        self.engine = engine
+        self.models = models
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def _prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) for each prompt of the request."""
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise bad_request("prompt must not be empty.", param="prompt")
+        vocab = len(self.tokenizer)
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                ids = self.tokenizer(item).input_ids
+                text: str | None = item
+            else:
+                ids = list(item)
+                if any(not 0 <= t < vocab for t in ids):
+                    raise bad_request(f"prompt token ids must be in [0, {vocab}).", "prompt")
+                text = self.tokenizer.decode(ids)
+            if not ids:
+                raise bad_request("prompt must not be empty.", param="prompt")
+            prompts.append((text, ids))
+        return prompts
+
+    async def create_completion(
+        self, request: CompletionRequest
+    ) -> CompletionResponse | AsyncIterator[str]:
+        check_unsupported(request)
+        if request.suffix:
+            raise bad_request("suffix is not supported by this server.", param="suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise bad_request("best_of must be unset or equal to n.", param="best_of")
+        if request.echo and request.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported.", param="echo")
+        lora = await self.models.resolve(request.model)
+        prompts = self._prompts(request)
+        params = [
+            build_sampling_params(
+                request,
+                resolve_max_tokens(request.max_tokens, len(ids), self.max_model_len),
+                request.logprobs,
+            )
+            for _, ids in prompts
+        ]
+        if self.engine.is_dead:
+            raise engine_unavailable()
+        request_id = random_id("cmpl")
+        streams = [
+            self.engine.generate(f"{request_id}-{i}", text, ids, p, lora)
+            for i, ((text, ids), p) in enumerate(zip(prompts, params, strict=True))
+        ]
+        model_name = request.model or self.models.base_model_name
+        token_text = TokenText(self.tokenizer, bool(request.return_tokens_as_token_ids))
+        if request.stream:
+            return self._stream(request, request_id, model_name, prompts, streams, token_text)
+        return await self._full(request, request_id, model_name, prompts, streams, token_text)
+
+    async def _full(self, request, request_id, model_name, prompts, streams, token_text):
+        finals: dict[int, Any] = {}
+        try:
+            async for index, output in merge_streams(streams):
+                finals[index] = output
+        except EngineDeadError as exc:
+            raise engine_unavailable() from exc
+        choices = []
+        completion_tokens = 0
+        for i in range(len(prompts)):
+            outputs = sorted(finals[i].outputs, key=lambda o: o.index)
+            error = finish_error(outputs)
+            if error is not None:
+                raise error
+            for out in outputs:
+                prefix = (prompts[i][0] or "") if request.echo else ""
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = _logprobs(out.token_ids, out.logprobs, request.logprobs,
+                                         token_text, len(prefix))
+                choices.append(CompletionChoice(
+                    index=i * request.n + out.index,
+                    text=prefix + out.text,
+                    logprobs=logprobs,
+                    finish_reason=out.finish_reason,
+                    stop_reason=out.stop_reason,
+                ))
+                completion_tokens += len(out.token_ids)
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        return CompletionResponse(
+            id=request_id,
+            model=model_name,
+            choices=choices,
+            usage=UsageInfo(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            ),
+        )
+
+    async def _stream(self, request, request_id, model_name, prompts, streams, token_text):
+        created = int(time.time())
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        offsets: dict[int, int] = {}
+        finished: set[int] = set()
+        completion_tokens = 0
+        try:
+            async with aclosing(merge_streams(streams)) as merged:
+                async for i, output in merged:
+                    for out in output.outputs:
+                        index = i * request.n + out.index
+                        if index in finished:
+                            continue
+                        if out.finish_reason == "error":
+                            yield sse_error(finish_error([out]))
+                            yield SSE_DONE
+                            return
+                        text = out.delta_text
+                        if index not in offsets:
+                            offsets[index] = 0
+                            if request.echo:
+                                text = (prompts[i][0] or "") + text
+                        completion_tokens += len(out.delta_token_ids)
+                        if not text and out.finish_reason is None and request.logprobs is None:
+                            continue
+                        logprobs = None
+                        if request.logprobs is not None:
+                            logprobs = _logprobs(out.delta_token_ids, out.delta_logprobs,
+                                                 request.logprobs, token_text, offsets[index])
+                        offsets[index] += len(text)
+                        if out.finish_reason is not None:
+                            finished.add(index)
+                        choice = CompletionChoice(
+                            index=index,
+                            text=text,
+                            logprobs=logprobs,
+                            finish_reason=out.finish_reason,
+                            stop_reason=out.stop_reason,
+                        )
+                        yield sse(_chunk(request_id, created, model_name, [choice.model_dump()]))
+        except EngineDeadError:
+            yield sse_error(engine_unavailable())
+            yield SSE_DONE
+            return
+        except APIError as exc:
+            yield sse_error(exc)
+            yield SSE_DONE
+            return
+        if include_usage:
+            prompt_tokens = sum(len(ids) for _, ids in prompts)
+            usage = UsageInfo(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            )
+            yield sse(_chunk(request_id, created, model_name, [], usage.model_dump()))
+        yield SSE_DONE
+
+
+def _chunk(request_id: str, created: int, model: str, choices: list, usage: Any = None) -> dict:
+    chunk = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def _logprobs(
+    token_ids: list[int],
+    logprobs: list[dict[int, float]] | None,
+    k: int,
+    token_text: TokenText,
+    offset: int,
+) -> CompletionLogprobs:
+    result = CompletionLogprobs()
+    for position, token_id in enumerate(token_ids):
+        entry = logprobs[position] if logprobs and position < len(logprobs) else {}
+        text = token_text(token_id)
+        result.tokens.append(text)
+        result.token_logprobs.append(entry.get(token_id))
+        result.top_logprobs.append({token_text(t): lp for t, lp in top_entries(entry, k)})
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result

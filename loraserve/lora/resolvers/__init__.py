@@ -1,0 +1,1 @@
+"""The LoRA resolvers that ship with loraserve (filesystem and Hugging Face Hub)."""

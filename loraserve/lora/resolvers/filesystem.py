@@ -1,0 +1,53 @@
+"""Resolve adapter names to folders under LORASERVE_LORA_RESOLVER_CACHE_DIR."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from loraserve.lora.request import LoRARequest
+from loraserve.lora.resolver import LoRAResolver
+
+ENV_CACHE_DIR = "LORASERVE_LORA_RESOLVER_CACHE_DIR"
+
+
+def is_lora_dir(path: Path) -> bool:
+    """True when path holds a PEFT LoRA adapter (adapter_config.json says LORA)."""
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        return False
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("peft_type", "LORA") == "LORA"
+
+
+class FilesystemResolver(LoRAResolver):
+    """``<cache_dir>/<lora_name>/`` is the adapter called lora_name."""
+
+    def __init__(self, cache_dir: str | os.PathLike) -> None:
+        self.cache_dir = Path(cache_dir).resolve()
+
+    async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
+        candidate = (self.cache_dir / lora_name).resolve()
+        # A name like "../x" must not reach outside the cache folder.
+        if candidate.parent != self.cache_dir or not is_lora_dir(candidate):
+            return None
+        return LoRARequest(
+            lora_name=lora_name,
+            lora_int_id=1,
+            lora_path=str(candidate),
+            base_model_name=base_model_name,
+        )
+
+
+def create_resolver() -> FilesystemResolver | None:
+    """Entry point: active only when the cache folder is configured and exists."""
+    cache_dir = os.environ.get(ENV_CACHE_DIR)
+    if not cache_dir:
+        return None
+    if not Path(cache_dir).is_dir():
+        raise ValueError(f"{ENV_CACHE_DIR}={cache_dir!r} is not a directory")
+    return FilesystemResolver(cache_dir)

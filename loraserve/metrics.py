@@ -1,0 +1,153 @@
+"""Prometheus metrics of the API server, all named `loraserve:...`.
+
+Each server owns its own CollectorRegistry (no process-wide global), fed from two
+places: per-request timings and token counts from the engine client, and the
+scheduler's stats that the engine core sends with its outputs.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from loraserve.engine.protocol import SchedulerStats
+
+PREFIX = "loraserve:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+    0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 80.0,
+)  # fmt: skip
+
+
+class ServerMetrics:
+    """The metrics of one served model."""
+
+    def __init__(self, model_name: str, max_loras: int) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.max_loras = max_loras
+        labels = ["model_name"]
+        reg = self.registry
+
+        self.num_running = Gauge(
+            PREFIX + "num_requests_running",
+            "Number of requests in model execution batches.",
+            labels, registry=reg,
+        ).labels(model_name)
+        self.num_waiting = Gauge(
+            PREFIX + "num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            labels, registry=reg,
+        ).labels(model_name)
+        self.kv_cache_usage = Gauge(
+            PREFIX + "kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            labels, registry=reg,
+        ).labels(model_name)
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens",
+            "Number of prefill tokens processed.",
+            labels, registry=reg,
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens",
+            "Number of generation tokens processed.",
+            labels, registry=reg,
+        ).labels(model_name)
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Count of finished requests, by finish reason.",
+            ["model_name", "finished_reason"], registry=reg,
+        )
+        self.num_preemptions = Counter(
+            PREFIX + "num_preemptions",
+            "Cumulative number of preemptions from the engine.",
+            labels, registry=reg,
+        ).labels(model_name)
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            labels, buckets=_LATENCY_BUCKETS, registry=reg,
+        ).labels(model_name)
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            labels, buckets=_ITL_BUCKETS, registry=reg,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Histogram of end-to-end request latency in seconds.",
+            labels, buckets=_LATENCY_BUCKETS, registry=reg,
+        ).labels(model_name)
+        # The value is the time of the update, so a LoRA-aware router takes the
+        # series with the largest value as the current state.
+        self.lora_info = Gauge(
+            PREFIX + "lora_requests_info",
+            "Running stats on LoRA requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=reg,
+        )
+        self.lora_resident = Gauge(
+            PREFIX + "lora_adapter_resident",
+            "1 while the adapter is held at this level (gpu: a device slot, cpu: the "
+            "CPU cache).",
+            ["adapter", "level"], registry=reg,
+        )
+        self._resident: set[tuple[str, str]] = set()
+        self._preemptions_seen = 0
+
+    def record_stats(self, stats: SchedulerStats) -> None:
+        """Take in the scheduler stats that came with one engine step."""
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        if stats.num_preemptions > self._preemptions_seen:
+            self.num_preemptions.inc(stats.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = max(self._preemptions_seen, stats.num_preemptions)
+        self.lora_info.labels(
+            max_lora=str(self.max_loras),
+            waiting_lora_adapters=",".join(stats.waiting_lora_adapters),
+            running_lora_adapters=",".join(stats.running_lora_adapters),
+        ).set(time.time())
+        resident = {(name, "gpu") for name in stats.gpu_lora_adapters}
+        resident |= {(name, "cpu") for name in stats.cpu_lora_adapters}
+        for adapter, level in self._resident - resident:
+            self.lora_resident.remove(adapter, level)
+        for adapter, level in resident:
+            self.lora_resident.labels(adapter=adapter, level=level).set(1)
+        self._resident = resident
+
+    def record_prompt_tokens(self, num_tokens: int) -> None:
+        self.prompt_tokens.inc(num_tokens)
+
+    def record_tokens(
+        self, num_tokens: int, ttft_s: float | None, inter_token_s: float | None
+    ) -> None:
+        """New tokens of one request; ttft_s with its first tokens, else inter_token_s."""
+        self.generation_tokens.inc(num_tokens)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if inter_token_s is not None:
+            self.itl.observe(inter_token_s)
+
+    def record_finished(self, finish_reasons: list[str], e2e_s: float) -> None:
+        for reason in finish_reasons:
+            self.request_success.labels(self.model_name, reason).inc()
+        self.e2e.observe(e2e_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
