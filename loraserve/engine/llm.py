@@ -58,12 +58,19 @@ class LLM:
 
         processor = OutputProcessor(self.tokenizer)
         order: list[str] = []
-        for prompt, sp, lora in zip(prompts, params, loras, strict=True):
-            text, token_ids = self._tokenize(prompt)
-            rid = str(next(self._ids))
-            order.append(rid)
-            for ecr in processor.add_request(rid, text, token_ids, sp, lora, self._eos):
-                self.engine.add_request(ecr)
+        queued: list[str] = []
+        try:
+            for prompt, sp, lora in zip(prompts, params, loras, strict=True):
+                text, token_ids = self._tokenize(prompt)
+                rid = str(next(self._ids))
+                order.append(rid)
+                for ecr in processor.add_request(rid, text, token_ids, sp, lora, self._eos):
+                    self.engine.add_request(ecr)
+                    queued.append(ecr.request_id)
+        except Exception:
+            # One bad prompt refuses the whole call; leave nothing behind in the engine.
+            self.engine.abort_requests(queued)
+            raise
 
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)
