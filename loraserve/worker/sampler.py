@@ -2,8 +2,10 @@
 
 Order as in vLLM: raw logprobs, penalties, min_tokens masking, then greedy rows
 take the argmax and the others go through temperature, top-k, top-p and min-p
-before a draw from their own generator (a per-request seed is reproducible
-whatever else is in the batch).
+before a draw. Everything is batched tensor work on the logits' device; the only
+host synchronisation is reading back the sampled ids (and logprobs if asked).
+A request with a seed draws from its own generator, so its tokens do not depend
+on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -39,86 +41,121 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logits = logits.float()
-        want_logprobs = [r.params.logprobs is not None for r in rows]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        num_logprobs = [r.params.logprobs for r in rows]
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_logprobs)
+            else None
+        )
+        logits = _apply_penalties(logits, rows)
+        logits = _mask_stop_tokens(logits, rows)
 
-        logits = logits.clone()
-        for i, row in enumerate(rows):
-            _apply_penalties(logits[i], row)
-            _mask_stop_tokens(logits[i], row)
-
-        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-        if greedy:
-            idx = torch.tensor(greedy, device=logits.device)
-            token_ids[idx] = logits[idx].argmax(dim=-1)
-        for i, row in enumerate(rows):
-            if not row.params.greedy:
-                token_ids[i] = self._draw(logits[i], row)
+        greedy_ids = logits.argmax(dim=-1)
+        if all(r.params.greedy for r in rows):
+            token_ids = greedy_ids
+        else:
+            token_ids = torch.where(
+                torch.tensor([r.params.greedy for r in rows], device=logits.device),
+                greedy_ids, self._draw(logits, rows),
+            )
 
         sampled = token_ids.tolist()
-        logprobs: list[list[tuple[int, float]] | None] = []
-        for i, row in enumerate(rows):
-            if raw_logprobs is None or row.params.logprobs is None:
-                logprobs.append(None)
-                continue
-            entry = [(sampled[i], float(raw_logprobs[i, sampled[i]]))]
-            if row.params.logprobs > 0:
-                top = torch.topk(raw_logprobs[i], row.params.logprobs)
-                entry += list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-            logprobs.append(entry)
+        logprobs: list[list[tuple[int, float]] | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            top_n = max(n or 0 for n in num_logprobs)
+            chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+            top = torch.topk(raw_logprobs, top_n) if top_n else None
+            top_ids = top.indices.tolist() if top else None
+            top_vals = top.values.tolist() if top else None
+            for i, n in enumerate(num_logprobs):
+                if n is None:
+                    continue
+                entry = [(sampled[i], chosen[i])]
+                if n:
+                    entry += list(zip(top_ids[i][:n], top_vals[i][:n], strict=True))
+                logprobs[i] = entry
         return SamplerOutput(sampled, logprobs)
 
-    def _draw(self, logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-        p = row.params
-        logits = logits / p.temperature
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        dev = logits.device
         vocab = logits.shape[-1]
-        if 0 < p.top_k < vocab:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = logits.sort(descending=True)
+        temps = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=dev)
+        logits = logits / temps[:, None]
+        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=dev)[None, :]
+            drop = ranks >= torch.tensor(top_k, device=dev)[:, None]
             probs = sorted_logits.softmax(-1)
-            # Drop a token when the tokens before it already reach top_p; keep the first.
-            drop = probs.cumsum(-1) - probs > p.top_p
-            drop[0] = False
-            logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = logits.softmax(-1)
-        if p.min_p > 0.0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        gen = row.generator or self.generator
-        # Gumbel-style draw: argmax(p / q), q ~ Exp(1), equals sampling from p.
-        q = torch.empty_like(probs).exponential_(generator=gen)
-        return (probs / q).argmax()
-
-
-def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
-    p = row.params
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(
-            sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
-            dtype=torch.long, device=logits.device,
-        )
-        if seen.numel():
-            vals = logits[seen]
-            logits[seen] = torch.where(
-                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            # Drop a token once the tokens before it already reach top_p; keep the first.
+            drop |= (probs.cumsum(-1) - probs) > torch.tensor(top_p, device=dev)[:, None]
+            drop[:, 0] = False
+            logits = torch.full_like(logits, float("-inf")).scatter(
+                1, order, sorted_logits.masked_fill(drop, float("-inf"))
             )
-    if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and row.output_token_ids:
-        counts = torch.bincount(
-            torch.tensor(row.output_token_ids, device=logits.device), minlength=logits.shape[-1]
-        )[: logits.shape[-1]].to(logits.dtype)
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
-            logits.dtype
-        )
+        probs = logits.softmax(-1)
+        min_p = [r.params.min_p for r in rows]
+        if any(min_p):
+            threshold = torch.tensor(min_p, device=dev)[:, None] * probs.amax(-1, keepdim=True)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        # argmax(p / q) with q ~ Exp(1) is a draw from p (the exponential race).
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                q[i].exponential_(generator=row.generator)
+        return (probs / q).argmax(dim=-1)
 
 
-def _mask_stop_tokens(logits: torch.Tensor, row: SamplingRow) -> None:
-    p = row.params
-    if len(row.output_token_ids) >= p.min_tokens:
-        return
-    stop_ids = list(p.stop_token_ids or [])
-    if row.eos_token_id is not None and not p.ignore_eos:
-        stop_ids.append(row.eos_token_id)
-    if stop_ids:
-        logits[torch.tensor(stop_ids, device=logits.device)] = float("-inf")
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    rep = [r.params.repetition_penalty for r in rows]
+    freq = [r.params.frequency_penalty for r in rows]
+    pres = [r.params.presence_penalty for r in rows]
+    use_rep = any(p != 1.0 for p in rep)
+    use_out = any(freq) or any(pres)
+    if not (use_rep or use_out):
+        return logits
+    dev, vocab = logits.device, logits.shape[-1]
+    output_counts = _token_counts([r.output_token_ids for r in rows], vocab, dev)
+    if use_rep:
+        seen = output_counts > 0
+        seen |= _token_counts([r.prompt_token_ids for r in rows], vocab, dev) > 0
+        penalty = torch.tensor(rep, device=dev)[:, None].expand_as(logits)
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalised, logits)
+    if use_out:
+        counts = output_counts.to(logits.dtype)
+        logits = logits - torch.tensor(freq, device=dev)[:, None] * counts
+        logits = logits - torch.tensor(pres, device=dev)[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _token_counts(seqs: list[list[int]], vocab: int, device) -> torch.Tensor:
+    counts = torch.zeros(len(seqs), vocab + 1, dtype=torch.int32, device=device)
+    width = max((len(s) for s in seqs), default=0)
+    if width == 0:
+        return counts[:, :vocab]
+    # Pad with the extra column `vocab`, then count every row at once.
+    padded = torch.full((len(seqs), width), vocab, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        padded[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    padded = padded.to(device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
+    return counts[:, :vocab]
+
+
+def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    rows_idx, cols = [], []
+    for i, row in enumerate(rows):
+        p = row.params
+        if len(row.output_token_ids) >= p.min_tokens:
+            continue
+        stop_ids = list(p.stop_token_ids or [])
+        if row.eos_token_id is not None and not p.ignore_eos:
+            stop_ids.append(row.eos_token_id)
+        rows_idx += [i] * len(stop_ids)
+        cols += stop_ids
+    if rows_idx:
+        logits = logits.clone()
+        logits[torch.tensor(rows_idx, device=logits.device),
+               torch.tensor(cols, device=logits.device)] = float("-inf")
+    return logits
