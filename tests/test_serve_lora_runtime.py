@@ -1,0 +1,192 @@
+"""Adapters at run time: background loading that never stalls other streams, load
+failures that fail only their own requests, /v1/load_lora_adapter and
+/v1/unload_lora_adapter with vLLM's status codes, unload freeing the engine's
+memory, and the filesystem resolver."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+from serve_utils import ServerProcess
+from utils import hf_greedy, make_peft_adapter
+
+PROMPT = "The quick brown fox"
+MAX_TOKENS = 6
+SLOW_LOAD_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("lora_runtime")
+
+
+@pytest.fixture(scope="module")
+def fragile(workdir, llama_adapters) -> str:
+    path = workdir / "fragile"
+    shutil.copytree(llama_adapters["r8"], path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def resolver_dir(workdir, llama_adapters) -> str:
+    root = workdir / "resolver_cache"
+    root.mkdir()
+    shutil.copytree(llama_adapters["r1"], root / "fsres")
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, llama_adapters, fragile, resolver_dir):
+    # Four start-up adapters and room for two in CPU memory: `fragile` and `slow`
+    # are evicted at once, so their first requests load them in the background.
+    srv = ServerProcess(
+        [
+            llama_dir, "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "2",
+            "--served-model-name", "base",
+            "--lora-modules", f"fragile={fragile}", f"slow={llama_adapters['r16_qv']}",
+            f"a1={llama_adapters['r8']}", f"a3={llama_adapters['r1']}",
+        ],
+        env={
+            "LORASERVE_ALLOW_RUNTIME_LORA_UPDATING": "true",
+            "LORASERVE_LORA_RESOLVER_CACHE_DIR": resolver_dir,
+            "LORASERVE_TEST_LORA_LOAD_DELAY": f"slow={SLOW_LOAD_S}",
+        },
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir, llama_adapters) -> dict[str, list[int]]:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(llama_dir)(PROMPT).input_ids
+    return {name: hf_greedy(llama_dir, llama_adapters[name], ids, MAX_TOKENS)
+            for name in ("r8", "r16_qv", "r1")}
+
+
+def complete(server, model: str) -> httpx.Response:
+    return server.post("/v1/completions", {
+        "model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+        "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True,
+    })
+
+
+def token_ids(response: httpx.Response) -> list[int]:
+    assert response.status_code == 200, response.text
+    tokens = response.json()["choices"][0]["logprobs"]["tokens"]
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def engine_stats(server) -> dict:
+    return server.get("/v1/engine_stats").json()
+
+
+def test_slow_adapter_load_does_not_stall_other_streams(server, reference):
+    cached = engine_stats(server)["scheduler"]["cpu_lora_adapters"]
+    assert "slow" not in cached and "fragile" not in cached
+    stamps: list[float] = []
+    stop = threading.Event()
+
+    def stream_a1() -> None:
+        body = {"model": "a1", "prompt": PROMPT, "max_tokens": 24, "temperature": 0.0,
+                "ignore_eos": True, "stream": True}
+        while not stop.is_set():
+            with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                              timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        stamps.append(time.monotonic())
+
+    streamer = threading.Thread(target=stream_a1, daemon=True)
+    streamer.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(stamps) < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(stamps) >= 5, server.output()
+        t0 = time.monotonic()
+        response = complete(server, "slow")
+        t1 = time.monotonic()
+    finally:
+        stop.set()
+        streamer.join(timeout=60)
+    assert token_ids(response) == reference["r16_qv"]
+    assert t1 - t0 >= SLOW_LOAD_S * 0.9, "the test hook did not slow the load"
+    during = [t for t in stamps if t0 <= t <= t0 + SLOW_LOAD_S]
+    assert len(during) >= 10, f"only {len(during)} tokens while the adapter loaded"
+    gaps = [b - a for a, b in zip(during, during[1:], strict=False)]
+    assert max(gaps) < 1.0, f"the stream stalled for {max(gaps):.2f} s"
+
+
+def test_failed_background_load_fails_only_its_requests(server, fragile, reference):
+    with open(f"{fragile}/adapter_model.safetensors", "wb") as f:
+        f.write(b"this is not a safetensors file")
+    response = complete(server, "fragile")
+    assert response.status_code == 400
+    assert "fragile" in response.json()["error"]["message"]
+    assert token_ids(complete(server, "a1")) == reference["r8"]
+
+
+def test_load_use_and_unload_round_trip(server, llama_adapters, reference):
+    r8, r16 = llama_adapters["r8"], llama_adapters["r16_qv"]
+    response = server.post("/v1/load_lora_adapter", {"lora_name": "rt", "lora_path": r8})
+    assert response.status_code == 200, response.text
+    assert "rt" in response.text
+    models = {m["id"]: m for m in server.get("/v1/models").json()["data"]}
+    assert models["rt"]["root"] == r8 and models["rt"]["parent"] == "base"
+    # A loaded adapter is activated at once: it holds a device slot already.
+    stats = engine_stats(server)
+    assert "rt" in stats["scheduler"]["gpu_lora_adapters"]
+    assert token_ids(complete(server, "rt")) == reference["r8"]
+
+    duplicate = server.post("/v1/load_lora_adapter", {"lora_name": "rt", "lora_path": r16})
+    assert duplicate.status_code == 400
+    assert "already" in duplicate.json()["error"]["message"]
+
+    inplace = server.post("/v1/load_lora_adapter",
+                          {"lora_name": "rt", "lora_path": r16, "load_inplace": True})
+    assert inplace.status_code == 200, inplace.text
+    assert token_ids(complete(server, "rt")) == reference["r16_qv"]
+
+    memory = engine_stats(server)["lora_memory_bytes"]
+    assert memory.get("rt", 0) > 0
+    unload = server.post("/v1/unload_lora_adapter", {"lora_name": "rt"})
+    assert unload.status_code == 200, unload.text
+    stats = engine_stats(server)
+    assert "rt" not in stats["lora_memory_bytes"]
+    assert "rt" not in stats["scheduler"]["cpu_lora_adapters"]
+    assert "rt" not in stats["scheduler"]["gpu_lora_adapters"]
+    assert "rt" not in {m["id"] for m in server.get("/v1/models").json()["data"]}
+    assert complete(server, "rt").status_code == 404
+    again = server.post("/v1/unload_lora_adapter", {"lora_name": "rt"})
+    assert again.status_code == 404
+    assert again.json()["error"]["type"] == "NotFoundError"
+
+
+def test_bad_adapters_are_400_with_the_reason(server, workdir, llama_dir):
+    missing = server.post("/v1/load_lora_adapter",
+                          {"lora_name": "ghost", "lora_path": str(workdir / "nowhere")})
+    assert missing.status_code == 400
+    assert "ghost" in missing.json()["error"]["message"]
+    big = make_peft_adapter(llama_dir, workdir / "r32", r=32, alpha=32, seed=7)
+    too_big = server.post("/v1/load_lora_adapter", {"lora_name": "big", "lora_path": big})
+    assert too_big.status_code == 400
+    assert "rank" in too_big.json()["error"]["message"].lower()
+    names = {m["id"] for m in server.get("/v1/models").json()["data"]}
+    assert "ghost" not in names and "big" not in names
+    assert server.post("/v1/load_lora_adapter", {"lora_name": "x"}).status_code == 400
+    assert server.post("/v1/load_lora_adapter",
+                       {"lora_name": "base", "lora_path": big}).status_code == 400
+    assert server.post("/v1/unload_lora_adapter", {}).status_code == 400
+
+
+def test_filesystem_resolver_finds_unknown_names(server, reference):
+    assert token_ids(complete(server, "fsres")) == reference["r1"]
+    assert "fsres" in {m["id"] for m in server.get("/v1/models").json()["data"]}
+    assert complete(server, "not-in-cache").status_code == 404
+    assert complete(server, "../fsres").status_code == 404

@@ -1,0 +1,109 @@
+"""Both processes stop cleanly: on SIGTERM/SIGINT within 10 s, when the engine
+dies (the API answers 503, then stops unless told to keep alive), and when the
+API server dies (the engine follows)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from serve_utils import ServerProcess, alive, wait_until
+
+LONG = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0.0,
+        "ignore_eos": True}
+
+
+def base_server(llama_dir, env=None) -> ServerProcess:
+    return ServerProcess([llama_dir, "--served-model-name", "base"], env=env)
+
+
+def start_long_stream(server) -> threading.Thread:
+    def run() -> None:
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions",
+                              json={"model": "base", "stream": True, **LONG},
+                              timeout=30) as response:
+                for _ in response.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    return thread
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_stops_every_process_within_10s(llama_dir, sig):
+    server = base_server(llama_dir)
+    try:
+        engine = server.engine_pid()
+        assert alive(engine)
+        stream = start_long_stream(server)
+        elapsed = server.stop(sig, timeout_s=10)
+        assert elapsed < 10, server.output()
+        assert server.all_gone() and not alive(engine)
+        assert server.proc.returncode == 0, server.output()
+        stream.join(timeout=10)
+    finally:
+        server.kill()
+
+
+def test_engine_death_answers_503_and_sigterm_still_stops(llama_dir):
+    server = base_server(llama_dir, env={"LORASERVE_KEEP_ALIVE_ON_ENGINE_DEATH": "true"})
+    try:
+        engine = server.engine_pid()
+        result: dict = {}
+
+        def in_flight() -> None:
+            result["response"] = httpx.post(server.url + "/v1/completions",
+                                            json={"model": "base", **LONG}, timeout=30)
+
+        thread = threading.Thread(target=in_flight, daemon=True)
+        thread.start()
+        time.sleep(0.5)
+        os.kill(engine, signal.SIGKILL)
+        thread.join(timeout=20)
+        # The request that was running when the engine died is answered, with 503.
+        assert result["response"].status_code == 503
+        assert result["response"].json()["error"]["code"] == 503
+        assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 503, 10)
+        client = server.openai()
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model="base", prompt="hi", max_tokens=2)
+        assert info.value.status_code == 503
+        assert httpx.get(server.url + "/v1/models").status_code == 503
+        assert server.proc.poll() is None  # kept alive, as asked
+        assert server.stop(signal.SIGTERM) < 10
+        assert server.all_gone()
+    finally:
+        server.kill()
+
+
+def test_engine_death_stops_the_api_server(llama_dir):
+    server = base_server(llama_dir)
+    try:
+        os.kill(server.engine_pid(), signal.SIGKILL)
+        assert wait_until(lambda: server.proc.poll() is not None, 10), server.output()
+        assert server.proc.returncode != 0
+        assert wait_until(server.all_gone, 5)
+    finally:
+        server.kill()
+
+
+def test_api_server_death_stops_the_engine(llama_dir):
+    server = base_server(llama_dir)
+    try:
+        engine = server.engine_pid()
+        server.proc.kill()
+        server.proc.wait(timeout=5)
+        assert wait_until(lambda: not alive(engine), 10), "the engine outlived its parent"
+        assert wait_until(server.all_gone, 5)
+    finally:
+        server.kill()
