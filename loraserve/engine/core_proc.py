@@ -13,6 +13,7 @@ import importlib
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -91,6 +92,16 @@ def _install_test_load_delay(core: Any) -> None:
         return load(lora_request)
 
     manager.load = slow_load
+
+
+def _use_thread_locks_for_progress_bars() -> None:
+    # tqdm's default lock is a multiprocessing semaphore; os._exit at the end would
+    # skip its clean-up and make the resource tracker warn about a leak.
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 def _engine_core_class() -> type:
@@ -205,6 +216,7 @@ def run_engine_core(
 ) -> None:
     """Process entry point (multiprocessing target)."""
     _die_with_parent()
+    _use_thread_locks_for_progress_bars()
 
     def _on_signal(signum: int, frame: Any) -> None:
         raise _Stop()

@@ -77,7 +77,7 @@ class ServingModels:
             try:
                 await self.engine.add_lora(request, pinned=module.pinned)
             except EngineUtilityError as exc:
-                raise ValueError(f"LoRA adapter {module.name!r} ({module.path}): {exc}") from exc
+                raise ValueError(f"--lora-modules {module.name}={module.path}: {exc}") from exc
             self.loras[module.name] = request
 
     async def resolve(self, model: str | None) -> LoRARequest | None:

@@ -1,0 +1,134 @@
+"""`loraserve serve` flags: vLLM's names and defaults, and bad combinations that
+fail at once with a clear message (before any model loads)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import time
+
+import pytest
+from serve_utils import descendants, free_port, serve_command
+
+from loraserve.cli import (
+    build_parser,
+    engine_kwargs_from_args,
+    parse_lora_module,
+    validate_serve_args,
+)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    args = build_parser().parse_args(["serve", *argv])
+    validate_serve_args(args)
+    return args
+
+
+def test_defaults_match_vllm():
+    args = parse("some/model")
+    assert args.model == "some/model"
+    assert args.port == 8000 and args.host is None
+    assert args.max_loras == 1 and args.max_lora_rank == 16 and not args.enable_lora
+    assert args.max_cpu_loras is None and args.lora_dtype == "auto"
+    assert args.gpu_memory_utilization == 0.9 and args.device == "auto"
+    assert args.load_format == "auto" and args.dtype == "auto" and args.seed == 0
+    kwargs = engine_kwargs_from_args(args)
+    assert kwargs["model"] == "some/model" and kwargs["max_loras"] == 1
+    assert "max_num_seqs" not in kwargs  # the engine picks per device
+
+
+def test_lora_modules_both_forms():
+    plain = parse_lora_module("sql=/adapters/sql")
+    assert (plain.name, plain.path, plain.pinned) == ("sql", "/adapters/sql", False)
+    spec = {"name": "poet", "path": "/a/poet", "base_model_name": "m", "pinned": True}
+    parsed = parse_lora_module(json.dumps(spec))
+    assert (parsed.name, parsed.path, parsed.base_model_name, parsed.pinned) == (
+        "poet", "/a/poet", "m", True)
+    args = parse("m", "--enable-lora", "--max-loras", "2", "--lora-modules", "a=/x",
+                 json.dumps(spec))
+    assert [m.name for m in args.lora_modules] == ["a", "poet"]
+
+
+@pytest.mark.parametrize("text", ["noequals", "=path", "name=", "{bad json", '{"name": "x"}',
+                                  '{"name": "x", "path": "y", "color": 1}'])
+def test_bad_lora_module_specs(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_lora_module(text)
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "MODEL is required"),
+    (["m", "--lora-modules", "a=/x"], "--enable-lora"),
+    (["m", "--enable-lora", "--lora-modules", "a=/x", "a=/y"], "unique"),
+    (["m", "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], "--max-cpu-loras"),
+    (["m", "--gpu-memory-utilization", "1.5"], "gpu-memory-utilization"),
+    (["m", "--port", "70000"], "--port"),
+    (["m", "--enable-lora", "--lora-modules", "m=/x"], "clash"),
+    (["m", "--enable-lora", "--lora-modules",
+      '{"name": "a", "path": "/x", "pinned": true}', '{"name": "b", "path": "/y", "pinned": true}'],
+     "pinned"),
+])
+def test_invalid_combinations_are_refused(argv, message):
+    args = build_parser().parse_args(["serve", *argv])
+    with pytest.raises(ValueError, match=message):
+        validate_serve_args(args)
+
+
+def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(serve_command() + list(argv), capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_help_reads_well():
+    result = run_cli("--help", timeout=60)
+    assert result.returncode == 0
+    for flag in ["--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank",
+                 "--max-cpu-loras", "--lora-dtype", "--lora-target-modules", "--host",
+                 "--port", "--api-key", "--served-model-name", "--dtype", "--max-model-len",
+                 "--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization",
+                 "--device", "--enforce-eager", "--seed", "--load-format"]:
+        assert flag in result.stdout, flag
+
+
+def test_bad_rank_fails_at_once():
+    result = run_cli("m", "--max-lora-rank", "7", timeout=60)
+    assert result.returncode == 2 and "--max-lora-rank" in result.stderr
+
+
+def test_missing_model_fails_with_a_clear_message(tmp_path):
+    start = time.monotonic()
+    result = run_cli(str(tmp_path / "no-such-model"), "--device", "cpu",
+                     "--port", str(free_port()))
+    assert result.returncode != 0
+    assert "no-such-model" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - start < 120
+
+
+def test_busy_port_fails_before_the_model_loads(llama_dir):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        result = run_cli(llama_dir, "--host", "127.0.0.1", "--port", str(port))
+    assert result.returncode == 1
+    assert "address already in use" in result.stderr.lower()
+    assert "engine core ready" not in result.stderr
+
+
+def test_bad_startup_adapter_stops_everything(llama_dir, tmp_path):
+    proc = subprocess.Popen(
+        serve_command() + [llama_dir, "--host", "127.0.0.1", "--port", str(free_port()),
+                           "--enable-lora", "--lora-modules", f"bad={tmp_path}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+    )
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    assert "bad" in stderr and "Traceback" not in stderr
+    assert descendants(proc.pid) == []
