@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lora_config import expand_config, next_pow2, rank_block, shrink_config
+from .lora_config import expand_config, fused_config, next_pow2, rank_block, shrink_config
 from .lora_meta import LoRAMetadata, build_lora_metadata
 
 # Slices handled by one launch pair; more slices use more launch pairs.
@@ -103,6 +103,128 @@ def _pick(i, v0, v1, v2):
 
 
 @triton.jit
+def _shrink_tile(
+    x_ptr,
+    a_ptr,
+    tok,
+    row_mask,
+    slot,
+    k_lo,
+    k_len,
+    K,
+    R,
+    stride_xm,
+    stride_xk,
+    stride_as,
+    stride_ar,
+    stride_ak,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """fp32 [BLOCK_M, BLOCK_R] = x[tok, k_lo:k_lo+k_len] @ A[slot, :, same K range].T"""
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    r_mask = offs_r < R
+    x_ptrs = x_ptr + tok[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
+    a_ptrs = (
+        a_ptr
+        + slot.to(tl.int64) * stride_as
+        + offs_r[:, None] * stride_ar
+        + (k_lo + offs_k)[None, :] * stride_ak
+    )
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k in range(0, k_len, BLOCK_K):
+        if EVEN_K:
+            xb = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+            ab = tl.load(a_ptrs, mask=r_mask[:, None], other=0.0)
+        else:
+            k_mask = (k_lo + k + offs_k) < K
+            xb = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            ab = tl.load(a_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        if DOT_FP32:
+            xb = xb.to(tl.float32)
+            ab = ab.to(tl.float32)
+        acc = tl.dot(xb, tl.trans(ab), acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        a_ptrs += BLOCK_K * stride_ak
+    return acc
+
+
+@triton.jit
+def _slice_of_nblock(pid_n, nb0, nb1, NUM_SLICES: tl.constexpr):
+    # N blocks of all slices are numbered one after another.
+    slice_id = 0
+    local_n = pid_n
+    if NUM_SLICES > 1:
+        if pid_n >= nb0:
+            slice_id = 1
+            local_n = pid_n - nb0
+    if NUM_SLICES > 2:
+        if pid_n >= nb0 + nb1:
+            slice_id = 2
+            local_n = pid_n - nb0 - nb1
+    return slice_id, local_n
+
+
+@triton.jit
+def _expand_tile(
+    y_ptr,
+    b_ptr,
+    xa,
+    tok,
+    row_mask,
+    slot,
+    local_n,
+    n_width,
+    y_off,
+    stride_bs,
+    R,
+    stride_bn,
+    stride_br,
+    stride_ym,
+    stride_yn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    ALIGN: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """y[tok, y_off + local_n*BLOCK_N ...] += xa (fp32) @ B[slot, that N block].T"""
+    if ALIGN > 1:
+        # Per-slice ints come through a runtime pick, which loses the divisibility
+        # Triton needs to emit 16-byte loads and stores. The host checked that
+        # they are multiples of ALIGN, so these are identities that carry the fact.
+        n_width = (n_width // ALIGN) * ALIGN
+        y_off = (y_off // ALIGN) * ALIGN
+        stride_bs = (stride_bs // ALIGN) * ALIGN
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_n = local_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_mask = offs_r < R
+    n_mask = offs_n < n_width
+    b_ptrs = (
+        b_ptr
+        + slot.to(tl.int64) * stride_bs
+        + offs_n[:, None] * stride_bn
+        + offs_r[None, :] * stride_br
+    )
+    b = tl.load(b_ptrs, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    # Round the fp32 shrink once to the weight dtype for the tensor-core product.
+    xa = xa.to(b.dtype)
+    if DOT_FP32:
+        xa = xa.to(tl.float32)
+        b = b.to(tl.float32)
+    delta = tl.dot(xa, tl.trans(b), input_precision=PRECISION)
+    y_ptrs = y_ptr + tok[:, None] * stride_ym + (y_off + offs_n)[None, :] * stride_yn
+    y_mask = row_mask[:, None] & n_mask[None, :]
+    y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    tl.store(y_ptrs, (y_old.to(tl.float32) + delta).to(y_old.dtype), mask=y_mask)
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr,
     ws_ptr,
@@ -143,57 +265,42 @@ def _lora_shrink_kernel(
     if slot >= num_slots:
         return
     a_ptr = _pick(slice_id, a0_ptr, a1_ptr, a2_ptr)
-
     offs_m = tl.arange(0, BLOCK_M)
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_k = tl.arange(0, BLOCK_K)
     row_mask = offs_m < rows_left
-    r_mask = offs_r < R
     tok = tl.load(sorted_ids_ptr + pos0 + offs_m, mask=row_mask, other=0).to(tl.int64)
-    k_lo = split * k_per_split
-    x_ptrs = x_ptr + tok[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
-    a_ptrs = (
-        a_ptr
-        + slot.to(tl.int64) * stride_as
-        + offs_r[:, None] * stride_ar
-        + (k_lo + offs_k)[None, :] * stride_ak
+    acc = _shrink_tile(
+        x_ptr,
+        a_ptr,
+        tok,
+        row_mask,
+        slot,
+        split * k_per_split,
+        k_per_split,
+        K,
+        R,
+        stride_xm,
+        stride_xk,
+        stride_as,
+        stride_ar,
+        stride_ak,
+        BLOCK_M,
+        BLOCK_K,
+        BLOCK_R,
+        EVEN_K,
+        PRECISION,
+        DOT_FP32,
     )
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k in range(0, k_per_split, BLOCK_K):
-        if EVEN_K:
-            xb = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
-            ab = tl.load(a_ptrs, mask=r_mask[:, None], other=0.0)
-        else:
-            k_mask = (k_lo + k + offs_k) < K
-            xb = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            ab = tl.load(a_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        if DOT_FP32:
-            xb = xb.to(tl.float32)
-            ab = ab.to(tl.float32)
-        acc = tl.dot(xb, tl.trans(ab), acc, input_precision=PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        a_ptrs += BLOCK_K * stride_ak
     # Workspace layout: [SPLIT_K, NUM_SLICES, num_tokens (sorted order), R].
+    offs_r = tl.arange(0, BLOCK_R)
     ws_rows = (split * NUM_SLICES + slice_id) * num_tokens + pos0 + offs_m
     ws_ptrs = ws_ptr + ws_rows[:, None] * R + offs_r[None, :]
-    tl.store(ws_ptrs, acc, mask=row_mask[:, None] & r_mask[None, :])
+    tl.store(ws_ptrs, acc, mask=row_mask[:, None] & (offs_r < R)[None, :])
 
 
-@triton.jit(
-    do_not_specialize=[
-        "n0",
-        "n1",
-        "n2",
-        "yo0",
-        "yo1",
-        "yo2",
-        "sbs0",
-        "sbs1",
-        "sbs2",
-        "nb0",
-        "nb1",
-    ]
-)
+_PER_SLICE_INTS = ["n0", "n1", "n2", "yo0", "yo1", "yo2", "sbs0", "sbs1", "sbs2", "nb0", "nb1"]
+
+
+@triton.jit(do_not_specialize=_PER_SLICE_INTS)
 def _lora_expand_kernel(
     y_ptr,
     ws_ptr,
@@ -227,6 +334,7 @@ def _lora_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    ALIGN: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
@@ -237,65 +345,152 @@ def _lora_expand_kernel(
     )
     if slot >= num_slots:
         return
-    # N blocks of all slices are numbered one after another.
-    slice_id = 0
-    local_n = pid_n
-    if NUM_SLICES > 1:
-        if pid_n >= nb0:
-            slice_id = 1
-            local_n = pid_n - nb0
-    if NUM_SLICES > 2:
-        if pid_n >= nb0 + nb1:
-            slice_id = 2
-            local_n = pid_n - nb0 - nb1
-    b_ptr = _pick(slice_id, b0_ptr, b1_ptr, b2_ptr)
-    n_width = _pick(slice_id, n0, n1, n2)
-    y_off = _pick(slice_id, yo0, yo1, yo2)
-    stride_bs = _pick(slice_id, sbs0, sbs1, sbs2)
-
+    slice_id, local_n = _slice_of_nblock(pid_n, nb0, nb1, NUM_SLICES)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
-    offs_n = local_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = offs_m < rows_left
-    r_mask = offs_r < R
-    n_mask = offs_n < n_width
     tok = tl.load(sorted_ids_ptr + pos0 + offs_m, mask=row_mask, other=0).to(tl.int64)
-
-    # Sum the split-K partials of the shrink (fp32), then round once to the
-    # weight dtype for the tensor-core product.
+    # Sum the split-K partials of the shrink in fp32.
     xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     ws_rows = slice_id * num_tokens + pos0 + offs_m
-    ws_mask = row_mask[:, None] & r_mask[None, :]
+    ws_mask = row_mask[:, None] & (offs_r < R)[None, :]
     for sp in range(SPLIT_K):
         ws_ptrs = ws_ptr + (ws_rows + sp * NUM_SLICES * num_tokens)[:, None] * R + offs_r[None, :]
         xa += tl.load(ws_ptrs, mask=ws_mask, other=0.0)
-
-    b_ptrs = (
-        b_ptr
-        + slot.to(tl.int64) * stride_bs
-        + offs_n[:, None] * stride_bn
-        + offs_r[None, :] * stride_br
+    _expand_tile(
+        y_ptr,
+        _pick(slice_id, b0_ptr, b1_ptr, b2_ptr),
+        xa,
+        tok,
+        row_mask,
+        slot,
+        local_n,
+        _pick(slice_id, n0, n1, n2),
+        _pick(slice_id, yo0, yo1, yo2),
+        _pick(slice_id, sbs0, sbs1, sbs2),
+        R,
+        stride_bn,
+        stride_br,
+        stride_ym,
+        stride_yn,
+        BLOCK_N,
+        BLOCK_R,
+        ALIGN,
+        PRECISION,
+        DOT_FP32,
     )
-    b = tl.load(b_ptrs, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-    xa = xa.to(b.dtype)
-    if DOT_FP32:
-        xa = xa.to(tl.float32)
-        b = b.to(tl.float32)
-    delta = tl.dot(xa, tl.trans(b), input_precision=PRECISION)
 
-    y_ptrs = y_ptr + tok[:, None] * stride_ym + (y_off + offs_n)[None, :] * stride_yn
-    y_mask = row_mask[:, None] & n_mask[None, :]
-    y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    tl.store(y_ptrs, (y_old.to(tl.float32) + delta).to(y_old.dtype), mask=y_mask)
+
+@triton.jit(do_not_specialize=_PER_SLICE_INTS)
+def _lora_fused_kernel(
+    y_ptr,
+    x_ptr,
+    sorted_ids_ptr,
+    slot_start_ptr,
+    slot_count_ptr,
+    a0_ptr,
+    a1_ptr,
+    a2_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    n0,
+    n1,
+    n2,
+    yo0,
+    yo1,
+    yo2,
+    sbs0,
+    sbs1,
+    sbs2,
+    nb0,
+    nb1,
+    num_slots,
+    K,
+    R,
+    k_len,
+    stride_xm,
+    stride_xk,
+    stride_as,
+    stride_ar,
+    stride_ak,
+    stride_bn,
+    stride_br,
+    stride_ym,
+    stride_yn,
+    NUM_SLICES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ALIGN: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    # One launch for small batches: every (token tile, N block) program redoes
+    # its tile's shrink (A comes from L2 after the first program), which costs
+    # less than a second launch when there are few tiles.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    slot, pos0, rows_left = _slot_tile(
+        pid_m, slot_start_ptr, slot_count_ptr, num_slots, BLOCK_M, BLOCK_S
+    )
+    if slot >= num_slots:
+        return
+    slice_id, local_n = _slice_of_nblock(pid_n, nb0, nb1, NUM_SLICES)
+    offs_m = tl.arange(0, BLOCK_M)
+    row_mask = offs_m < rows_left
+    tok = tl.load(sorted_ids_ptr + pos0 + offs_m, mask=row_mask, other=0).to(tl.int64)
+    xa = _shrink_tile(
+        x_ptr,
+        _pick(slice_id, a0_ptr, a1_ptr, a2_ptr),
+        tok,
+        row_mask,
+        slot,
+        0,
+        k_len,
+        K,
+        R,
+        stride_xm,
+        stride_xk,
+        stride_as,
+        stride_ar,
+        stride_ak,
+        BLOCK_M,
+        BLOCK_K,
+        BLOCK_R,
+        EVEN_K,
+        PRECISION,
+        DOT_FP32,
+    )
+    _expand_tile(
+        y_ptr,
+        _pick(slice_id, b0_ptr, b1_ptr, b2_ptr),
+        xa,
+        tok,
+        row_mask,
+        slot,
+        local_n,
+        _pick(slice_id, n0, n1, n2),
+        _pick(slice_id, yo0, yo1, yo2),
+        _pick(slice_id, sbs0, sbs1, sbs2),
+        R,
+        stride_bn,
+        stride_br,
+        stride_ym,
+        stride_yn,
+        BLOCK_N,
+        BLOCK_R,
+        ALIGN,
+        PRECISION,
+        DOT_FP32,
+    )
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _precision(dtype: torch.dtype) -> str:
-    # fp32 LoRA is for exactness (tests, CPU-like numerics): no tf32 rounding.
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _check(
@@ -338,6 +533,189 @@ def workspace_numel(num_tokens: int, k: int, rank: int, num_slices: int) -> int:
     return cfg["SPLIT_K"] * per_launch * num_tokens * rank
 
 
+def launch_shrink(
+    x: torch.Tensor,
+    lora_a: Sequence[torch.Tensor],
+    meta: LoRAMetadata,
+    cfg: dict[str, int],
+    ws: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Shrink for up to 3 slices: fp32 split-K partials into the workspace (returned)."""
+    num_tokens, k = x.shape
+    num_slots, rank, _ = lora_a[0].shape
+    ns = len(lora_a)
+    split_k, block_k = cfg["SPLIT_K"], cfg["BLOCK_K"]
+    # Round each split to whole K blocks so only the last one needs masking.
+    k_per_split = _cdiv(_cdiv(k, split_k), block_k) * block_k
+    if ws is None:
+        ws = meta.ensure_workspace(split_k * ns * num_tokens * rank)
+    # Upper bound on tiles: each slot adds at most one partial tile; a tile
+    # holds at least one token. Programs past the real count exit at once.
+    m_tiles = min(_cdiv(num_tokens, cfg["BLOCK_M"]) + num_slots, num_tokens)
+    dot_fp32, precision = _dot_mode(x.dtype)
+    a_ptrs = list(lora_a) + [lora_a[0]] * (3 - ns)
+    _lora_shrink_kernel[(ns * split_k, m_tiles)](
+        x,
+        ws,
+        meta.sorted_ids,
+        meta.slot_start,
+        meta.slot_count,
+        *a_ptrs,
+        num_tokens,
+        num_slots,
+        k,
+        rank,
+        k_per_split,
+        x.stride(0),
+        x.stride(1),
+        lora_a[0].stride(0),
+        lora_a[0].stride(1),
+        lora_a[0].stride(2),
+        NUM_SLICES=ns,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_K=block_k,
+        BLOCK_R=rank_block(rank),
+        BLOCK_S=_block_s(num_slots),
+        EVEN_K=(k % (split_k * block_k) == 0),
+        PRECISION=precision,
+        DOT_FP32=dot_fp32,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return ws
+
+
+def launch_expand(
+    y: torch.Tensor,
+    lora_b: Sequence[torch.Tensor],
+    y_offsets: Sequence[int],
+    meta: LoRAMetadata,
+    ws: torch.Tensor,
+    split_k: int,
+    cfg: dict[str, int],
+) -> None:
+    """Expand for up to 3 slices: y[:, off_i:off_i+N_i] += partial-sum @ B_i[slot].T."""
+    num_tokens = y.shape[0]
+    num_slots, _, rank = lora_b[0].shape
+    ns = len(lora_b)
+    widths = [b.shape[1] for b in lora_b]
+    block_n = cfg["BLOCK_N"]
+    nblocks = [_cdiv(w, block_n) for w in widths]
+    m_tiles = min(_cdiv(num_tokens, cfg["BLOCK_M"]) + num_slots, num_tokens)
+    dot_fp32, precision = _dot_mode(y.dtype)
+    pad = 3 - ns
+    _lora_expand_kernel[(sum(nblocks), m_tiles)](
+        y,
+        ws,
+        meta.sorted_ids,
+        meta.slot_start,
+        meta.slot_count,
+        *(list(lora_b) + [lora_b[0]] * pad),
+        *(widths + [0] * pad),
+        *(list(y_offsets) + [0] * pad),
+        *([b.stride(0) for b in lora_b] + [0] * pad),
+        nblocks[0],
+        nblocks[1] if ns > 1 else 0,
+        num_tokens,
+        num_slots,
+        rank,
+        lora_b[0].stride(1),
+        lora_b[0].stride(2),
+        y.stride(0),
+        y.stride(1),
+        NUM_SLICES=ns,
+        SPLIT_K=split_k,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=block_n,
+        BLOCK_R=rank_block(rank),
+        BLOCK_S=_block_s(num_slots),
+        ALIGN=_align(y, lora_b, y_offsets),
+        PRECISION=precision,
+        DOT_FP32=dot_fp32,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+
+
+def launch_fused(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    y_offsets: Sequence[int],
+    meta: LoRAMetadata,
+    cfg: dict[str, int],
+) -> None:
+    """Shrink and expand of up to 3 slices in one launch (small batches)."""
+    num_tokens, k = x.shape
+    num_slots, rank, _ = lora_a[0].shape
+    ns = len(lora_a)
+    widths = [b.shape[1] for b in lora_b]
+    block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    nblocks = [_cdiv(w, block_n) for w in widths]
+    m_tiles = min(_cdiv(num_tokens, cfg["BLOCK_M"]) + num_slots, num_tokens)
+    dot_fp32, precision = _dot_mode(x.dtype)
+    pad = 3 - ns
+    _lora_fused_kernel[(sum(nblocks), m_tiles)](
+        y,
+        x,
+        meta.sorted_ids,
+        meta.slot_start,
+        meta.slot_count,
+        *(list(lora_a) + [lora_a[0]] * pad),
+        *(list(lora_b) + [lora_b[0]] * pad),
+        *(widths + [0] * pad),
+        *(list(y_offsets) + [0] * pad),
+        *([b.stride(0) for b in lora_b] + [0] * pad),
+        nblocks[0],
+        nblocks[1] if ns > 1 else 0,
+        num_slots,
+        k,
+        rank,
+        _cdiv(k, block_k) * block_k,
+        x.stride(0),
+        x.stride(1),
+        lora_a[0].stride(0),
+        lora_a[0].stride(1),
+        lora_a[0].stride(2),
+        lora_b[0].stride(1),
+        lora_b[0].stride(2),
+        y.stride(0),
+        y.stride(1),
+        NUM_SLICES=ns,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_R=rank_block(rank),
+        BLOCK_S=_block_s(num_slots),
+        EVEN_K=(k % block_k == 0),
+        ALIGN=_align(y, lora_b, y_offsets),
+        PRECISION=precision,
+        DOT_FP32=dot_fp32,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+
+
+def _align(y: torch.Tensor, lora_b: Sequence[torch.Tensor], y_offsets: Sequence[int]) -> int:
+    # 8 elements (16 bytes in 16-bit types) lets Triton vectorise y and B accesses.
+    ints = [*y_offsets, *(b.shape[1] for b in lora_b), *(b.stride(0) for b in lora_b)]
+    return 8 if all(v % 8 == 0 for v in ints) else 1
+
+
+def _block_s(num_slots: int) -> int:
+    return max(16, next_pow2(num_slots))
+
+
+def _dot_mode(dtype: torch.dtype) -> tuple[bool, str]:
+    # Triton's CPU interpreter computes bf16 dots wrongly (seen with triton 3.9);
+    # upcasting there is exact (bf16 products fit fp32). On a GPU: native dots,
+    # and fp32 stays fp32 (no tf32 rounding) since fp32 LoRA is for exactness.
+    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        return True, "ieee"
+    return False, ("ieee" if dtype == torch.float32 else "tf32")
+
+
 def add_lora_linear(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -364,94 +742,17 @@ def add_lora_linear(
             f"metadata built for T={meta.num_tokens}, S={meta.num_slots}; "
             f"call has T={num_tokens}, S={num_slots}"
         )
-    block_r = rank_block(rank)
-    block_s = max(16, next_pow2(num_slots))
-    precision = _precision(x.dtype)
-    # Triton's CPU interpreter computes bf16 dots wrongly (seen with triton 3.9);
-    # upcasting there is exact (bf16 products fit fp32) and costs nothing on GPU.
-    dot_fp32 = x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-    if dot_fp32:
-        precision = "ieee"
     widths = [b.shape[1] for b in lora_b]
     offsets = [sum(widths[:i]) for i in range(len(widths))]
-
-    for g in range(0, len(lora_a), MAX_SLICES_PER_LAUNCH):
-        a_grp = list(lora_a[g : g + MAX_SLICES_PER_LAUNCH])
-        b_grp = list(lora_b[g : g + MAX_SLICES_PER_LAUNCH])
-        w_grp = widths[g : g + MAX_SLICES_PER_LAUNCH]
-        o_grp = offsets[g : g + MAX_SLICES_PER_LAUNCH]
-        ns = len(a_grp)
-
-        sc = shrink_config(num_tokens, k, rank, ns)
-        split_k = sc["SPLIT_K"]
-        block_k = sc["BLOCK_K"]
-        k_per_split = _cdiv(_cdiv(k, split_k), block_k) * block_k
-        ws = meta.ensure_workspace(split_k * ns * num_tokens * rank)
-        # Upper bound on tiles: each slot adds at most one partial tile; a tile
-        # holds at least one token.
-        m_tiles = min(_cdiv(num_tokens, sc["BLOCK_M"]) + num_slots, num_tokens)
-        a_ptrs = a_grp + [a_grp[0]] * (3 - ns)
-        _lora_shrink_kernel[(ns * split_k, m_tiles)](
-            x,
-            ws,
-            meta.sorted_ids,
-            meta.slot_start,
-            meta.slot_count,
-            *a_ptrs,
-            num_tokens,
-            num_slots,
-            k,
-            rank,
-            k_per_split,
-            x.stride(0),
-            x.stride(1),
-            a_grp[0].stride(0),
-            a_grp[0].stride(1),
-            a_grp[0].stride(2),
-            NUM_SLICES=ns,
-            BLOCK_M=sc["BLOCK_M"],
-            BLOCK_K=block_k,
-            BLOCK_R=block_r,
-            BLOCK_S=block_s,
-            EVEN_K=(k % (split_k * block_k) == 0),
-            PRECISION=precision,
-            DOT_FP32=dot_fp32,
-            num_warps=sc["num_warps"],
-            num_stages=sc["num_stages"],
-        )
-
-        ec = expand_config(num_tokens, sum(widths), rank)
-        block_n = ec["BLOCK_N"]
-        nblocks = [_cdiv(w, block_n) for w in w_grp]
-        m_tiles = min(_cdiv(num_tokens, ec["BLOCK_M"]) + num_slots, num_tokens)
-        pad = 3 - ns
-        _lora_expand_kernel[(sum(nblocks), m_tiles)](
-            y,
-            ws,
-            meta.sorted_ids,
-            meta.slot_start,
-            meta.slot_count,
-            *(b_grp + [b_grp[0]] * pad),
-            *(w_grp + [0] * pad),
-            *(o_grp + [0] * pad),
-            *([b.stride(0) for b in b_grp] + [0] * pad),
-            nblocks[0],
-            nblocks[1] if ns > 1 else 0,
-            num_tokens,
-            num_slots,
-            rank,
-            b_grp[0].stride(1),
-            b_grp[0].stride(2),
-            y.stride(0),
-            y.stride(1),
-            NUM_SLICES=ns,
-            SPLIT_K=split_k,
-            BLOCK_M=ec["BLOCK_M"],
-            BLOCK_N=block_n,
-            BLOCK_R=block_r,
-            BLOCK_S=block_s,
-            PRECISION=precision,
-            DOT_FP32=dot_fp32,
-            num_warps=ec["num_warps"],
-            num_stages=ec["num_stages"],
-        )
+    ecfg = expand_config(num_tokens, sum(widths), rank)
+    step = MAX_SLICES_PER_LAUNCH
+    for g in range(0, len(lora_a), step):
+        a_grp = lora_a[g : g + step]
+        fcfg = fused_config(num_tokens, k, sum(widths), rank, len(a_grp))
+        if fcfg is not None:
+            launch_fused(y, x, a_grp, lora_b[g : g + step], offsets[g : g + step], meta, fcfg)
+            continue
+        scfg = shrink_config(num_tokens, k, rank, len(a_grp))
+        ws = launch_shrink(x, a_grp, meta, scfg)
+        b_grp, o_grp = lora_b[g : g + step], offsets[g : g + step]
+        launch_expand(y, b_grp, o_grp, meta, ws, scfg["SPLIT_K"], ecfg)

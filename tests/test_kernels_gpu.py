@@ -1,0 +1,187 @@
+"""GPU tests of the Triton LoRA op: real sizes in bf16 and CUDA-graph capture."""
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+if torch.cuda.is_available():
+    from loraserve.kernels import LoRAMetadata, add_lora_linear, workspace_numel
+
+
+def reference(y, x, lora_a, lora_b, slots):
+    """fp32 torch: shrink rounded once to the weight dtype (as the kernel does), expand."""
+    out = y.clone()
+    valid = slots >= 0
+    idx = slots.clamp(min=0).long()
+    off = 0
+    for a, b in zip(lora_a, lora_b, strict=True):
+        n = b.shape[1]
+        xa = torch.bmm(x.float().unsqueeze(1), a[idx].float().transpose(1, 2)).to(x.dtype)
+        delta = torch.bmm(xa.float(), b[idx].float().transpose(1, 2)).squeeze(1)
+        new = (y[:, off : off + n].float() + delta).to(y.dtype)
+        out[:, off : off + n] = torch.where(valid[:, None], new, y[:, off : off + n])
+        off += n
+    return out
+
+
+def make(t, k, r, s, widths, dtype, n_active=None, frac_none=0.2, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    x = torch.randn(t, k, generator=g, device=dev).to(dtype)
+    a = [(torch.randn(s, r, k, generator=g, device=dev) / k**0.5).to(dtype) for _ in widths]
+    b = [(torch.randn(s, n, r, generator=g, device=dev) / r**0.5).to(dtype) for n in widths]
+    y = torch.randn(t, sum(widths), generator=g, device=dev).to(dtype)
+    slots = random_slots(t, s, n_active or s, frac_none, g)
+    return y, x, a, b, slots
+
+
+def random_slots(t, s, n_active, frac_none, g):
+    active = torch.randperm(s, generator=g, device="cuda")[:n_active].to(torch.int32)
+    pick = torch.randint(0, n_active, (t,), generator=g, device="cuda")
+    slots = active[pick]
+    slots[torch.rand(t, generator=g, device="cuda") < frac_none] = -1
+    return slots
+
+
+def assert_matches(got, want, y_before, slots, tol):
+    none = slots < 0
+    assert torch.equal(got[none], y_before[none])
+    diff = (got.float() - want.float()).norm() / (want.float() - y_before.float()).norm().clamp(
+        min=1e-6
+    )
+    assert diff.item() < tol, f"relative error of the update {diff.item()}"
+    assert torch.isfinite(got).all()
+
+
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+QKV = (4096, [4096, 1024, 1024])
+SHAPES = {
+    "qkv": QKV,
+    "o": (4096, [4096]),
+    "gate_up": (4096, [14336, 14336]),
+    "down": (14336, [4096]),
+}
+
+
+@pytest.mark.parametrize("t", [1, 7, 64, 1000, 4096])
+@pytest.mark.parametrize("r", [16, 64])
+def test_bf16_qkv_real_sizes(t, r):
+    k, widths = QKV
+    y, x, a, b, slots = make(t, k, r, 32, widths, torch.bfloat16, n_active=min(32, 8), seed=t + r)
+    want = reference(y, x, a, b, slots)
+    got = y.clone()
+    add_lora_linear(got, x, a, b, slots)
+    assert_matches(got, want, y, slots, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("name", ["o", "gate_up", "down"])
+@pytest.mark.parametrize("t,r,n_active", [(1, 8, 1), (256, 16, 32), (2048, 64, 3)])
+def test_bf16_other_layers(name, t, r, n_active):
+    k, widths = SHAPES[name]
+    y, x, a, b, slots = make(t, k, r, 32, widths, torch.bfloat16, n_active=n_active, seed=t)
+    want = reference(y, x, a, b, slots)
+    got = y.clone()
+    add_lora_linear(got, x, a, b, slots)
+    assert_matches(got, want, y, slots, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("t", [5, 300])
+def test_other_dtypes(dtype, t):
+    y, x, a, b, slots = make(t, 1000, 16, 6, [512, 128, 128], dtype, seed=t)
+    want = reference(y, x, a, b, slots)
+    got = y.clone()
+    add_lora_linear(got, x, a, b, slots)
+    assert_matches(got, want, y, slots, TOL[dtype])
+
+
+@pytest.mark.parametrize("r", [1, 128, 512])
+def test_rank_extremes(r):
+    y, x, a, b, slots = make(33, 2048, r, 4, [1024, 256], torch.bfloat16, seed=r)
+    want = reference(y, x, a, b, slots)
+    got = y.clone()
+    add_lora_linear(got, x, a, b, slots)
+    assert_matches(got, want, y, slots, TOL[torch.bfloat16])
+
+
+def test_long_prefill_many_tokens():
+    y, x, a, b, slots = make(20000, 4096, 16, 8, [4096], torch.bfloat16, n_active=5, seed=11)
+    want = reference(y, x, a, b, slots)
+    got = y.clone()
+    add_lora_linear(got, x, a, b, slots)
+    assert_matches(got, want, y, slots, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("update_in_graph", [False, True])
+@pytest.mark.parametrize("t", [1, 64, 512])
+def test_cuda_graph_replay_with_new_slots(t, update_in_graph):
+    k, widths = QKV
+    s, r = 16, 16
+    y0, x, a, b, slots = make(t, k, r, s, widths, torch.bfloat16, seed=100 + t)
+    meta = LoRAMetadata(max_tokens=t, num_slots=s, device="cuda")
+    meta.update(slots)
+    meta.ensure_workspace(workspace_numel(t, k, r, len(widths)))
+    y = y0.clone()
+    static_slots = slots.clone()
+
+    def step():
+        if update_in_graph:
+            meta.update(static_slots)
+        add_lora_linear(y, x, a, b, static_slots, meta)
+
+    # Warm up on a side stream (compiles the kernels), as torch asks before capture.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    g = torch.Generator(device="cuda").manual_seed(t)
+    cases = [
+        (1, 0.0),  # one adapter
+        (s, 0.1),  # every slot
+        (3, 0.5),  # a few, half the tokens without adapter
+        (1, 1.0),  # no adapter at all
+        (8, 0.0),
+    ]
+    for n_active, frac_none in cases:
+        new_slots = random_slots(t, s, n_active, frac_none, g)
+        static_slots.copy_(new_slots)
+        x.copy_(torch.randn(x.shape, generator=g, device="cuda").to(x.dtype))
+        y.copy_(torch.randn(y.shape, generator=g, device="cuda").to(y.dtype))
+        before = y.clone()
+        want = reference(before, x, a, b, new_slots)
+        if not update_in_graph:
+            meta.update(static_slots)
+        graph.replay()
+        torch.cuda.synchronize()
+        if (new_slots < 0).all():
+            assert torch.equal(y, before)
+        else:
+            assert_matches(y, want, before, new_slots, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("path", ["fused", "split"])
+@pytest.mark.parametrize("t", [1, 16, 64])
+def test_both_paths_bf16(monkeypatch, path, t):
+    from loraserve.kernels import lora_ops
+
+    if path == "split":
+        monkeypatch.setattr(lora_ops, "fused_config", lambda *a: None)
+    else:
+        cfg = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+        monkeypatch.setattr(lora_ops, "fused_config", lambda *a: cfg)
+    k, widths = QKV
+    y, x, a, b, slots = make(t, k, 16, 32, widths, torch.bfloat16, n_active=8, seed=t + 7)
+    want = reference(y, x, a, b, slots)
+    got = y.clone()
+    add_lora_linear(got, x, a, b, slots)
+    assert_matches(got, want, y, slots, TOL[torch.bfloat16])
