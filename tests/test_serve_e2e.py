@@ -313,3 +313,43 @@ def test_metrics_parse_and_cover_the_issue(server):
     ttft = [s for s in families["loraserve:time_to_first_token_seconds"].samples
             if s.name.endswith("_count")]
     assert ttft and ttft[0].value > 0
+
+
+def test_n_and_several_prompts(client, expected, tokenizer):
+    reference = tokenizer.decode(expected[("sql", "completion")], skip_special_tokens=True)
+    response = client.completions.create(
+        model="sql", prompt=[COMPLETION_PROMPT, COMPLETION_PROMPT], n=2,
+        extra_body={"ignore_eos": True}, **GREEDY,
+    )
+    assert sorted(c.index for c in response.choices) == [0, 1, 2, 3]
+    assert all(c.text == reference for c in response.choices)
+    assert response.usage.completion_tokens == 4 * MAX_TOKENS
+    chunks = client.chat.completions.create(
+        model="poet", messages=CHAT_MESSAGES, n=2, stream=True,
+        extra_body={"ignore_eos": True}, **GREEDY,
+    )
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts[0] == texts[1] == tokenizer.decode(expected[("poet", "chat")],
+                                                    skip_special_tokens=True)
+
+
+def test_stop_string_and_echo(client, expected, tokenizer):
+    full = tokenizer.decode(expected[("base", "completion")], skip_special_tokens=True)
+    stop = full[len(full) // 2:][:2]
+    if not stop.strip():
+        pytest.skip("the reference text has no usable stop string")
+    choice = client.completions.create(model="base", prompt=COMPLETION_PROMPT, stop=[stop],
+                                       extra_body={"ignore_eos": True}, **GREEDY).choices[0]
+    assert choice.finish_reason == "stop" and choice.stop_reason == stop
+    assert choice.text == full[: full.index(stop)]
+    echoed = client.completions.create(model="base", prompt=COMPLETION_PROMPT, echo=True,
+                                       extra_body={"ignore_eos": True}, **GREEDY).choices[0]
+    assert echoed.text == COMPLETION_PROMPT + full
+
+
+def test_runtime_lora_endpoints_are_off_by_default(server):
+    response = server.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/x"})
+    assert response.status_code == 404
