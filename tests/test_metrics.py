@@ -76,3 +76,19 @@ def test_each_server_has_its_own_registry():
     one, two = ServerMetrics("a", 1), ServerMetrics("b", 1)
     one.record_prompt_tokens(5)
     assert b'model_name="a"' in one.render() and b'model_name="a"' not in two.render()
+
+
+def test_grafana_dashboard_uses_only_real_metrics():
+    import json
+    import re
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "grafana" / "loraserve_dashboard.json"
+    dashboard = json.loads(path.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"loraserve:[a-z0-9_]+", e)}
+    metrics = ServerMetrics("m", 1)
+    metrics.record_stats(SchedulerStats(gpu_lora_adapters=["a"]))
+    metrics.record_finished(["stop"], 0.1)
+    exposed = {s.name for f in families(metrics).values() for s in f.samples}
+    assert used and used <= exposed, used - exposed
