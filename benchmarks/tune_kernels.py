@@ -45,9 +45,9 @@ SHRINK_SPACE = {
 }
 FUSED_SPACE = {
     "BLOCK_N": [32, 64, 128, 256],
-    "BLOCK_K": [64, 128, 256, 512],
-    "num_warps": [2, 4, 8],
-    "num_stages": [2, 3, 4],
+    "BLOCK_K": [128, 256, 512, 1024],
+    "num_warps": [4, 8],
+    "num_stages": [1, 2, 3, 4],
 }
 EXPAND_SPACE = {
     "BLOCK_M": [16, 32, 64, 128],
@@ -85,7 +85,7 @@ class Case:
                 launch_fused(y, x, a, b, self.offsets, self.meta, scfg)
                 continue
             ws = launch_shrink(x, a, self.meta, scfg)
-            launch_expand(y, b, self.offsets, self.meta, ws, scfg["SPLIT_K"], ecfg)
+            launch_expand(y, b, self.offsets, self.meta, ws, ecfg)
 
 
 def time_cfg(cases, scfg, ecfg) -> float:

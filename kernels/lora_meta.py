@@ -25,6 +25,7 @@ class LoRAMetadata:
                   tokens with slot -1 come last and are never touched.
       slot_start  int32 [num_slots]: first position of each slot in sorted_ids.
       slot_count  int32 [num_slots]: number of tokens of each slot.
+      locks       int32 [3 * max_tokens]: split-K arrival counters (always 0 between calls).
       workspace   fp32 flat buffer for the shrink result (split-K partials).
     """
 
@@ -47,6 +48,9 @@ class LoRAMetadata:
         self.slot_count = torch.zeros(self.num_slots, **i32)
         # searchsorted probes 0..num_slots: boundaries of every slot's run.
         self._probes = torch.arange(self.num_slots + 1, **i32)
+        # Split-K arrival counters, one per (token tile, slice); the kernel resets
+        # each to 0 after use, so they are zero at every call.
+        self.locks = torch.zeros(3 * self.max_tokens, **i32)
         self.workspace = torch.empty(int(workspace_numel), dtype=torch.float32, device=self.device)
         self._retired: list[torch.Tensor] = []
 

@@ -228,6 +228,7 @@ def _expand_tile(
 def _lora_shrink_kernel(
     x_ptr,
     ws_ptr,
+    lock_ptr,
     sorted_ids_ptr,
     slot_start_ptr,
     slot_count_ptr,
@@ -245,6 +246,7 @@ def _lora_shrink_kernel(
     stride_ar,
     stride_ak,
     NUM_SLICES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -290,11 +292,36 @@ def _lora_shrink_kernel(
         PRECISION,
         DOT_FP32,
     )
-    # Workspace layout: [SPLIT_K, NUM_SLICES, num_tokens (sorted order), R].
+    # Workspace layout: [1 + SPLIT_K, NUM_SLICES, num_tokens (sorted order), R]; block 0
+    # holds the final fp32 shrink, blocks 1.. the split-K partials.
     offs_r = tl.arange(0, BLOCK_R)
-    ws_rows = (split * NUM_SLICES + slice_id) * num_tokens + pos0 + offs_m
-    ws_ptrs = ws_ptr + ws_rows[:, None] * R + offs_r[None, :]
-    tl.store(ws_ptrs, acc, mask=row_mask[:, None] & (offs_r < R)[None, :])
+    ws_mask = row_mask[:, None] & (offs_r < R)[None, :]
+    rows = slice_id * num_tokens + pos0 + offs_m
+    if SPLIT_K == 1:
+        tl.store(ws_ptr + rows[:, None] * R + offs_r[None, :], acc, mask=ws_mask)
+    else:
+        part = rows + (1 + split) * NUM_SLICES * num_tokens
+        tl.store(ws_ptr + part[:, None] * R + offs_r[None, :], acc, mask=ws_mask)
+        # The last split of this (tile, slice) to arrive sums the partials, so
+        # the expand reads one fp32 block instead of SPLIT_K of them per N block.
+        # The barrier puts every thread's stores before the release of the
+        # counter; the counter goes back to 0 for the next call (or replay).
+        tl.debug_barrier()
+        lock = lock_ptr + pid_m * NUM_SLICES + slice_id
+        arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for sp in tl.static_range(SPLIT_K):
+                part = rows + (1 + sp) * NUM_SLICES * num_tokens
+                # .cg: read L2, never a stale L1 line.
+                total += tl.load(
+                    ws_ptr + part[:, None] * R + offs_r[None, :],
+                    mask=ws_mask,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+            tl.store(ws_ptr + rows[:, None] * R + offs_r[None, :], total, mask=ws_mask)
+            tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 
 _PER_SLICE_INTS = ["n0", "n1", "n2", "yo0", "yo1", "yo2", "sbs0", "sbs1", "sbs2", "nb0", "nb1"]
@@ -329,7 +356,6 @@ def _lora_expand_kernel(
     stride_ym,
     stride_yn,
     NUM_SLICES: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -350,13 +376,10 @@ def _lora_expand_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     row_mask = offs_m < rows_left
     tok = tl.load(sorted_ids_ptr + pos0 + offs_m, mask=row_mask, other=0).to(tl.int64)
-    # Sum the split-K partials of the shrink in fp32.
-    xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    # The shrink result, already summed over K splits (fp32).
     ws_rows = slice_id * num_tokens + pos0 + offs_m
     ws_mask = row_mask[:, None] & (offs_r < R)[None, :]
-    for sp in range(SPLIT_K):
-        ws_ptrs = ws_ptr + (ws_rows + sp * NUM_SLICES * num_tokens)[:, None] * R + offs_r[None, :]
-        xa += tl.load(ws_ptrs, mask=ws_mask, other=0.0)
+    xa = tl.load(ws_ptr + ws_rows[:, None] * R + offs_r[None, :], mask=ws_mask, other=0.0)
     _expand_tile(
         y_ptr,
         _pick(slice_id, b0_ptr, b1_ptr, b2_ptr),
@@ -530,7 +553,12 @@ def workspace_numel(num_tokens: int, k: int, rank: int, num_slices: int) -> int:
     """fp32 elements of workspace one call with these shapes needs."""
     per_launch = min(num_slices, MAX_SLICES_PER_LAUNCH)
     cfg = shrink_config(num_tokens, k, rank, per_launch)
-    return cfg["SPLIT_K"] * per_launch * num_tokens * rank
+    return _ws_blocks(cfg["SPLIT_K"]) * per_launch * num_tokens * rank
+
+
+def _ws_blocks(split_k: int) -> int:
+    # The reduced shrink, plus one block per split when K is split.
+    return 1 if split_k == 1 else 1 + split_k
 
 
 def launch_shrink(
@@ -548,7 +576,7 @@ def launch_shrink(
     # Round each split to whole K blocks so only the last one needs masking.
     k_per_split = _cdiv(_cdiv(k, split_k), block_k) * block_k
     if ws is None:
-        ws = meta.ensure_workspace(split_k * ns * num_tokens * rank)
+        ws = meta.ensure_workspace(_ws_blocks(split_k) * ns * num_tokens * rank)
     # Upper bound on tiles: each slot adds at most one partial tile; a tile
     # holds at least one token. Programs past the real count exit at once.
     m_tiles = min(_cdiv(num_tokens, cfg["BLOCK_M"]) + num_slots, num_tokens)
@@ -557,6 +585,7 @@ def launch_shrink(
     _lora_shrink_kernel[(ns * split_k, m_tiles)](
         x,
         ws,
+        meta.locks,
         meta.sorted_ids,
         meta.slot_start,
         meta.slot_count,
@@ -572,6 +601,7 @@ def launch_shrink(
         lora_a[0].stride(1),
         lora_a[0].stride(2),
         NUM_SLICES=ns,
+        SPLIT_K=split_k,
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_K=block_k,
         BLOCK_R=rank_block(rank),
@@ -591,7 +621,6 @@ def launch_expand(
     y_offsets: Sequence[int],
     meta: LoRAMetadata,
     ws: torch.Tensor,
-    split_k: int,
     cfg: dict[str, int],
 ) -> None:
     """Expand for up to 3 slices: y[:, off_i:off_i+N_i] += partial-sum @ B_i[slot].T."""
@@ -624,7 +653,6 @@ def launch_expand(
         y.stride(0),
         y.stride(1),
         NUM_SLICES=ns,
-        SPLIT_K=split_k,
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=block_n,
         BLOCK_R=rank_block(rank),
@@ -755,4 +783,4 @@ def add_lora_linear(
         scfg = shrink_config(num_tokens, k, rank, len(a_grp))
         ws = launch_shrink(x, a_grp, meta, scfg)
         b_grp, o_grp = lora_b[g : g + step], offsets[g : g + step]
-        launch_expand(y, b_grp, o_grp, meta, ws, scfg["SPLIT_K"], ecfg)
+        launch_expand(y, b_grp, o_grp, meta, ws, ecfg)

@@ -148,7 +148,12 @@ def test_large_split_k_path(monkeypatch):
         return {"BLOCK_M": 16, "BLOCK_K": 16, "SPLIT_K": 8, "num_warps": 4, "num_stages": 1}
 
     monkeypatch.setattr(lora_ops, "shrink_config", cfg)
-    check(*make_case(3, 100, 16, 2, [16, 8, 8], torch.float32, seed=8))
+    y, x, a, b, slots = make_case(19, 100, 16, 2, [16, 8, 8], torch.float32, seed=8)
+    meta = build_lora_metadata(slots, 2)
+    # Twice on one metadata object: the split-K arrival counters must reset.
+    for _ in range(2):
+        check(y, x, a, b, slots, meta)
+        assert int(meta.locks.abs().sum()) == 0
 
 
 def test_workspace_numel_matches_call():
