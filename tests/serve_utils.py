@@ -76,7 +76,7 @@ class ServerProcess:
     """One `loraserve serve` subprocess on 127.0.0.1 and a free port."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, new_session: bool = False) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
@@ -92,7 +92,7 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(
             cmd, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL, start_new_session=new_session,
         )
         self._all_pids: set[int] = set()
         self._wait_healthy()
@@ -144,14 +144,22 @@ class ServerProcess:
         start = time.monotonic()
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
+        self._wait_all_gone(start, timeout_s)
+        return time.monotonic() - start
+
+    def stop_group(self, sig: int, timeout_s: float = 10.0) -> float:
+        """Signal the whole process group, as Ctrl-C in a terminal does."""
+        start = time.monotonic()
+        os.killpg(self.proc.pid, sig)
+        self._wait_all_gone(start, timeout_s)
+        return time.monotonic() - start
+
+    def _wait_all_gone(self, start: float, timeout_s: float) -> None:
         try:
             self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             pass
         wait_until(self.all_gone, max(0.0, timeout_s - (time.monotonic() - start)))
-        elapsed = time.monotonic() - start
-        self.kill()
-        return elapsed
 
     def kill(self) -> None:
         """Last resort (and test teardown): SIGKILL whatever is left."""

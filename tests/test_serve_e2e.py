@@ -41,8 +41,11 @@ def server(llama_dir, adapters):
         ],
         api_key=API_KEY,
     )
-    yield srv
-    srv.stop()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        srv.kill()
 
 
 @pytest.fixture(scope="module")

@@ -56,8 +56,11 @@ def server(llama_dir, llama_adapters, fragile, resolver_dir):
             "LORASERVE_TEST_LORA_LOAD_DELAY": f"slow={SLOW_LOAD_S}",
         },
     )
-    yield srv
-    srv.stop()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        srv.kill()
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,21 @@ def test_signal_stops_every_process_within_10s(llama_dir, sig):
         server.kill()
 
 
+def test_ctrl_c_to_the_process_group_stops_cleanly(llama_dir):
+    # Ctrl-C reaches the API server and the engine at once; neither may hang or
+    # print a traceback while the other goes away.
+    server = ServerProcess([llama_dir, "--served-model-name", "base"], new_session=True)
+    try:
+        stream = start_long_stream(server)
+        elapsed = server.stop_group(signal.SIGINT, timeout_s=10)
+        assert elapsed < 10 and server.all_gone(), server.output()
+        assert server.proc.returncode == 0, server.output()
+        assert "Traceback" not in server.output(), server.output()
+        stream.join(timeout=10)
+    finally:
+        server.kill()
+
+
 def test_engine_death_answers_503_and_sigterm_still_stops(llama_dir):
     server = base_server(llama_dir, env={"LORASERVE_KEEP_ALIVE_ON_ENGINE_DEATH": "true"})
     try:

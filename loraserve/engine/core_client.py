@@ -165,7 +165,10 @@ class AsyncEngineClient:
             return
         self._shutting_down = True
         if self._proc is not None and self._proc.is_alive():
-            self._send(InputKind.SHUTDOWN)
+            try:
+                self._send(InputKind.SHUTDOWN)
+            except EngineDeadError:
+                pass  # already on its way out; the joins below wait for it
             await asyncio.to_thread(self._proc.join, timeout_s)
             if self._proc.is_alive():
                 self._proc.terminate()
@@ -190,7 +193,12 @@ class AsyncEngineClient:
     # -- requests -----------------------------------------------------------------
 
     def _send(self, kind: InputKind, payload: Any = None) -> None:
-        self._input.send_multipart(encode(kind, payload), flags=zmq.NOBLOCK, copy=False)
+        try:
+            self._input.send_multipart(encode(kind, payload), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            # With no high-water mark, a send only fails when no engine is connected:
+            # it has exited (for example Ctrl-C reached the whole process group).
+            raise EngineDeadError() from None
 
     async def generate(
         self,
@@ -250,7 +258,10 @@ class AsyncEngineClient:
         """Abort a request (all its n>1 children) in the engine and free its blocks."""
         child_ids = self._processor.abort_request(request_id)
         if child_ids and not self.is_dead:
-            self._send(InputKind.ABORT, list(child_ids))
+            try:
+                self._send(InputKind.ABORT, list(child_ids))
+            except EngineDeadError:
+                pass  # nothing left to abort
 
     async def call_utility(self, method: str, *args: Any, timeout_s: float = 300.0) -> Any:
         """Call an allow-listed EngineCore method in the engine process."""
@@ -303,7 +314,10 @@ class AsyncEngineClient:
                 if queue is not None:
                     queue.put_nowait(_snapshot(request_output))
             if processed.reqs_to_abort:
-                self._send(InputKind.ABORT, list(processed.reqs_to_abort))
+                try:
+                    self._send(InputKind.ABORT, list(processed.reqs_to_abort))
+                except EngineDeadError:
+                    pass
         if outputs.stats is not None:
             self.latest_stats = outputs.stats
             if self.metrics is not None:
