@@ -1,0 +1,512 @@
+"""Attention over the paged KV cache (Triton), for prefill, chunked prefill and decode.
+
+API
+---
+``write_kv_cache(k, v, kv_cache, slot_mapping)`` stores the step's new keys and
+values ([T, Hk, D]) at flat slots ``block * block_size + offset`` of one layer's
+cache ``[2, num_blocks, block_size, Hk, D]``; slot -1 (a padding token) is skipped.
+
+``paged_attention(q, kv_cache, out, query_start_loc, seq_lens, block_tables,
+scale, sliding_window=None, max_query_len=None, workspace=None, num_splits=None)``
+writes ``out`` [T, Hq, D] in place. Sequence i's queries are
+``q[query_start_loc[i]:query_start_loc[i+1]]``, the last of its ``seq_lens[i]``
+tokens; the mask is causal (and keeps key ``k`` for query position ``p`` only if
+``k > p - sliding_window`` when a window is given). GQA: query head h reads KV
+head ``h // (Hq // Hk)``. One launch covers the whole batch, whatever its mix of
+prefill, chunked prefill and decode sequences; rows of ``out`` for tokens past
+``query_start_loc[B]`` carry no meaning.
+
+How it runs
+-----------
+A program owns one tile of up to BLOCK_Q query tokens of one sequence and one
+KV head, and holds the queries of all the heads of that KV head's group as rows
+of one matrix, so each K/V tile read from the cache serves the whole group. It
+walks the keys the tile can see (causal, window) in BLOCK_N steps, gathering
+each key's row through the block table, with an fp32 online softmax.
+
+Tiles are numbered so that sequence i owns tiles ``query_start_loc[i] // BLOCK_Q
++ i`` onwards: that range holds at least cdiv(q_len_i, BLOCK_Q) tiles, and
+``T // BLOCK_Q + B`` tiles cover any batch, so the grid needs only host sizes.
+A program finds its sequence by counting the starts at or before its tile.
+When every sequence fits one tile (``max_query_len <= BLOCK_Q``, e.g. decode)
+tile i is simply sequence i.
+
+Split-KV: when the batch has too few (sequence, KV head) pairs to fill the GPU,
+each pair's keys are cut into ``num_splits`` ranges whose length follows the
+real sequence length at run time; every split writes a normalised partial
+output and its log-sum-exp into ``workspace``, and a second small kernel merges
+them.
+
+CUDA graphs
+-----------
+Grids and the number of splits depend only on host ints (T, B, head counts and
+``max_query_len``), and nothing is allocated when a workspace is passed:
+
+    ws = make_workspace(num_q_heads, head_dim, device)     # once, shared by all layers
+    paged_attention(..., max_query_len=1, workspace=ws)    # decode graphs
+
+``max_query_len`` is a host-side upper bound on the query length of any
+sequence in the batch (1 for decode); leaving it out uses T, which is correct
+but picks the slower prefill tiling for decode. Padded sequences (query length
+0, seq_len 0) produce nothing and read nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Split-KV partials are kept for at most this many (token, split) pairs, which
+# bounds the workspace; batches that big fill the GPU without splitting anyway.
+MAX_SPLIT_ROWS = 512
+MAX_SPLITS = 64
+# Sequences scanned per step when a tile looks up its sequence.
+_SEARCH_BLOCK = 128
+_LOG2E = 1.4426950408889634
+# Masked scores are -inf; the running max starts finite so that a row that sees
+# no key yet gives exp2(-inf - finite) = 0 instead of NaN.
+_NEG_START = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    # Padding tokens (slot -1) store nothing; clamp so no address is negative.
+    safe = tl.maximum(slot, 0)
+    h = tl.arange(0, HEADS_P2)
+    d = tl.arange(0, HEAD_DIM_P2)
+    # Compare a full block with the slot: a scalar mask term upsets the interpreter.
+    ok = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    ok = ok & ((h[:, None] * 0 + slot) >= 0)
+    dst = (safe // BLOCK_SIZE) * stride_cb + (safe % BLOCK_SIZE) * stride_cs
+    dst = dst + h[:, None] * stride_ch + d[None, :]
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=ok)
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=ok)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=ok)
+    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _attn_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    out_ptr,
+    ws_o_ptr,
+    ws_lse_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    bt_ptr,
+    num_seqs,
+    num_splits,
+    qk_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    ws_o_ss,
+    ws_o_st,
+    ws_lse_ss,
+    ws_lse_st,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    ONE_TILE_PER_SEQ: tl.constexpr,
+    SPLIT: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    if ONE_TILE_PER_SEQ:
+        seq = tile
+        q_tile_start = 0
+    else:
+        # Sequence starts (in tile numbers) rise strictly, so the number of
+        # starts at or before this tile, minus one, is this tile's sequence.
+        count = tile * 0
+        for base in range(0, num_seqs, SEARCH_BLOCK):
+            idx = base + tl.arange(0, SEARCH_BLOCK)
+            in_range = idx < num_seqs
+            starts = tl.load(qsl_ptr + idx, mask=in_range, other=0) // BLOCK_Q + idx
+            count += tl.sum(((starts <= tile) & in_range).to(tl.int32), axis=0)
+        seq = count - 1
+        q_tile_start = (tile - (tl.load(qsl_ptr + seq) // BLOCK_Q + seq)) * BLOCK_Q
+
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if q_tile_start >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_tile_start + rows // GROUP_P2
+    hg = rows % GROUP_P2
+    row_ok = (hg < GROUP) & (rows // GROUP_P2 < BLOCK_Q) & (tok < q_len)
+    head = kvh * GROUP + hg
+    # Rows that are padding get position -1: they see no key.
+    q_pos = tl.where(row_ok, ctx_len + tok, -1)
+    d = tl.arange(0, HEAD_DIM_P2)
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+
+    # Keys this tile can see: up to its last query, from the window's start.
+    kv_hi = ctx_len + tl.minimum(q_len, q_tile_start + BLOCK_Q)
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(ctx_len + q_tile_start - window + 1, 0)
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
+        kv_lo = kv_lo + split * chunk
+        kv_hi = tl.minimum(kv_hi, kv_lo + chunk)
+
+    m_i = tl.full([BLOCK_M], _NEG_START, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], dtype=tl.float32)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        k_ok = kpos < kv_hi
+        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        off = blk * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+        k_t = tl.load(
+            kc_ptr + off[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0
+        )
+        if IEEE:
+            s = tl.dot(q, k_t, input_precision="ieee")
+        else:
+            s = tl.dot(q, k_t)
+        s = s * qk_scale
+        keep = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            keep = keep & (kpos[None, :] > q_pos[:, None] - window)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            vc_ptr + off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    st_mask = row_ok[:, None] & d_ok[None, :]
+    tok_g = q_start + tok
+    if SPLIT:
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), _NEG_START)
+        ws_row = split * ws_o_ss + tok_g * ws_o_st + head * HEAD_DIM
+        tl.store(ws_o_ptr + ws_row[:, None] + d[None, :], o, mask=st_mask)
+        tl.store(ws_lse_ptr + split * ws_lse_ss + tok_g * ws_lse_st + head, lse, mask=row_ok)
+    else:
+        dst = out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=st_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    ws_o_ptr,
+    ws_lse_ptr,
+    qsl_ptr,
+    num_seqs,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    ws_o_ss,
+    ws_o_st,
+    ws_lse_ss,
+    ws_lse_st,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_P2)
+    s_ok = s < num_splits
+    d = tl.arange(0, HEAD_DIM_P2)
+    d_ok = d < HEAD_DIM
+    lse = tl.load(ws_lse_ptr + s * ws_lse_ss + t * ws_lse_st + h, mask=s_ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    o = tl.load(
+        ws_o_ptr + s[:, None] * ws_o_ss + t * ws_o_st + h * HEAD_DIM + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    res = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    # Padding tokens have no partials (the workspace holds stale data there).
+    res = tl.where(t < tl.load(qsl_ptr + num_seqs), res, 0.0)
+    tl.store(
+        out_ptr + t * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d_ok
+    )
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tiling of one launch: BLOCK_Q query tokens (times the GQA group) by BLOCK_N keys."""
+
+    block_q: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+def pick_config(
+    max_query_len: int, group: int, head_dim: int, dtype: torch.dtype
+) -> AttentionConfig:
+    """Default tiling for a batch whose longest query is ``max_query_len`` tokens."""
+    group_p2 = _next_pow2(group)
+    d_p2 = max(16, _next_pow2(head_dim))
+    wide = d_p2 > 128 or dtype == torch.float32
+    if max_query_len * group_p2 <= 16:
+        # Decode (and short speculative queries): one tile per sequence, reads
+        # dominate, so small row tiles and several K/V stages in flight.
+        return AttentionConfig(_next_pow2(max_query_len), 32 if wide else 64, 4, 3)
+    if max_query_len * group_p2 <= 64:
+        return AttentionConfig(max(1, 64 // group_p2), 32 if wide else 64, 4, 2)
+    rows = 64 if wide else 128
+    return AttentionConfig(max(1, rows // group_p2), 32 if wide else 64, 4 if wide else 8, 2)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    # The CPU interpreter has no SMs; a small number still exercises split-KV.
+    return 4
+
+
+def choose_num_splits(
+    num_tokens: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    max_query_len: int | None,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """Split-KV factor from host sizes only (the same for every replay of a graph)."""
+    mql = num_tokens if max_query_len is None else max(1, min(max_query_len, num_tokens))
+    cfg = pick_config(mql, group, head_dim, dtype)
+    tiles = num_seqs if mql <= cfg.block_q else max(num_seqs, num_tokens // cfg.block_q)
+    work = max(1, tiles * num_kv_heads)
+    # About four resident programs per SM keep enough K/V loads in flight.
+    target = 4 * _num_sms(torch.device(device))
+    splits = min(MAX_SPLITS, triton.cdiv(target, work), MAX_SPLIT_ROWS // max(1, num_tokens))
+    return max(1, splits)
+
+
+def workspace_numel(num_q_heads: int, head_dim: int) -> int:
+    """fp32 elements of a workspace that serves every split-KV launch of a model."""
+    return MAX_SPLIT_ROWS * num_q_heads * (head_dim + 1)
+
+
+def make_workspace(num_q_heads: int, head_dim: int, device: torch.device | str) -> torch.Tensor:
+    return torch.empty(workspace_numel(num_q_heads, head_dim), dtype=torch.float32, device=device)
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store k, v [T, Hk, D] at ``slot_mapping`` [T] (-1 skips) of ``kv_cache``."""
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim)
+    assert k.stride(2) == 1 and v.stride(2) == 1 and kv_cache.stride(4) == 1
+    kc, vc = kv_cache[0], kv_cache[1]
+    _write_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        kc,
+        vc,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_P2=_next_pow2(num_kv_heads),
+        HEAD_DIM_P2=_next_pow2(head_dim),
+        BLOCK_SIZE=block_size,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    max_query_len: int | None = None,
+    workspace: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: AttentionConfig | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention of ``q`` [T, Hq, D] over the paged cache; fills ``out``.
+
+    ``query_start_loc`` int32 [B+1], ``seq_lens`` int32 [B], ``block_tables``
+    int32 [B, max_blocks]. ``max_query_len``: host bound on any query length
+    (picks the tiling; None = T). ``workspace``: fp32, at least
+    ``workspace_numel(Hq, D)`` elements, needed (for graph capture) when the
+    launch splits the keys; without one a split launch allocates its own.
+    ``num_splits`` and ``config`` override the defaults (tests, tuning).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    num_seqs = seq_lens.shape[0]
+    assert cache_head_dim == head_dim and num_q_heads % num_kv_heads == 0
+    assert out.shape == q.shape and q.dtype == kv_cache.dtype
+    assert q.stride(2) == 1 and out.stride(2) == 1 and kv_cache.stride(4) == 1
+    assert query_start_loc.shape[0] == num_seqs + 1 and block_tables.shape[0] == num_seqs
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    mql = num_tokens if max_query_len is None else max(1, min(max_query_len, num_tokens))
+    cfg = config or pick_config(mql, group, head_dim, q.dtype)
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            num_tokens, num_seqs, num_kv_heads, mql, group, head_dim, q.dtype, q.device
+        )
+    split = num_splits > 1
+    if split:
+        need = num_splits * num_tokens * num_q_heads * (head_dim + 1)
+        if workspace is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("paged_attention: pass a workspace when capturing a graph")
+            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+        if workspace.numel() < need or workspace.dtype != torch.float32:
+            raise ValueError(f"paged_attention: workspace needs {need} fp32 elements")
+        n_o = num_splits * num_tokens * num_q_heads * head_dim
+        ws_o = workspace[:n_o]
+        ws_lse = workspace[n_o:need]
+    else:
+        ws_o = ws_lse = out  # unused by the kernel
+    group_p2 = _next_pow2(group)
+    block_m = max(16, cfg.block_q * group_p2)
+    one_tile = mql <= cfg.block_q
+    num_tiles = num_seqs if one_tile else num_tokens // cfg.block_q + num_seqs
+    kc, vc = kv_cache[0], kv_cache[1]
+    _attn_kernel[(num_tiles, num_kv_heads, num_splits)](
+        q,
+        kc,
+        vc,
+        out,
+        ws_o,
+        ws_lse,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        num_seqs,
+        num_splits,
+        scale * _LOG2E,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        block_tables.stride(0),
+        num_tokens * num_q_heads * head_dim,
+        num_q_heads * head_dim,
+        num_tokens * num_q_heads,
+        num_q_heads,
+        GROUP=group,
+        GROUP_P2=group_p2,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P2=max(16, _next_pow2(head_dim)),
+        BLOCK_SIZE=block_size,
+        ONE_TILE_PER_SEQ=one_tile,
+        SPLIT=split,
+        USE_WINDOW=sliding_window is not None,
+        IEEE=q.dtype == torch.float32,
+        SEARCH_BLOCK=_SEARCH_BLOCK,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            out,
+            ws_o,
+            ws_lse,
+            query_start_loc,
+            num_seqs,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            num_tokens * num_q_heads * head_dim,
+            num_q_heads * head_dim,
+            num_tokens * num_q_heads,
+            num_q_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P2=_next_pow2(head_dim),
+            SPLITS_P2=_next_pow2(num_splits),
+        )
+    return out

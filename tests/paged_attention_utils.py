@@ -1,0 +1,91 @@
+"""Random paged-attention batches and the torch reference, shared by the CPU and GPU tests."""
+
+from __future__ import annotations
+
+import torch
+
+from loraserve.worker.attention import AttentionMetadata, TorchPagedAttention
+
+
+def make_batch(
+    specs: list[tuple[int, int]],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    pad_tokens: int = 0,
+    pad_seqs: int = 0,
+    seed: int = 0,
+    device: str = "cpu",
+    num_blocks: int | None = None,
+    max_blocks: int | None = None,
+) -> dict:
+    """specs: (cached tokens, new tokens) per sequence; blocks are scattered at random.
+
+    ``pad_tokens`` tokens (slot -1) and ``pad_seqs`` empty sequences follow the
+    real ones, as in a batch padded to a CUDA-graph size.
+    """
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    seq_lens = [c + n for c, n in specs]
+    nblocks = [-(-s // block_size) for s in seq_lens]
+    num_blocks = num_blocks or sum(nblocks) + 3
+    max_blocks = max_blocks or max(nblocks) + 1
+    perm = torch.randperm(num_blocks, generator=g, device=dev).tolist()
+    tables, pos = [], 0
+    for nb in nblocks:
+        tables.append(perm[pos : pos + nb])
+        pos += nb
+    q_lens = [n for _, n in specs]
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    real_t = starts[-1]
+    slots = []
+    for (c, n), table in zip(specs, tables, strict=True):
+        for p in range(c, c + n):
+            slots.append(table[p // block_size] * block_size + p % block_size)
+    t = real_t + pad_tokens
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def rand(*size):
+        return torch.randn(*size, generator=g, device=dev).to(dtype)
+
+    bt = torch.zeros(len(specs) + pad_seqs, max_blocks, dtype=torch.int32)
+    for i, table in enumerate(tables):
+        bt[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+        query_start_loc=starts,
+        seq_lens=seq_lens,
+        block_tables=tables,
+        block_size=block_size,
+    )
+    return {
+        "q": rand(t, num_q_heads, head_dim),
+        "k": rand(t, num_kv_heads, head_dim),
+        "v": rand(t, num_kv_heads, head_dim),
+        "cache": rand(*shape),
+        "slot_mapping": torch.tensor(slots + [-1] * pad_tokens, dtype=torch.long, device=dev),
+        "query_start_loc": torch.tensor(
+            starts + [real_t] * pad_seqs, dtype=torch.int32, device=dev
+        ),
+        "seq_lens": torch.tensor(seq_lens + [0] * pad_seqs, dtype=torch.int32, device=dev),
+        "block_tables": bt.to(dev),
+        "meta": meta,
+        "real_t": real_t,
+        "max_query_len": max(q_lens),
+    }
+
+
+def reference(
+    b: dict, scale: float, window: int | None, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TorchPagedAttention on the real tokens (in ``dtype`` if given): (out, updated cache)."""
+    dtype = dtype or b["q"].dtype
+    cache = b["cache"].to(dtype, copy=True)
+    rt = b["real_t"]
+    q, k, v = (b[n][:rt].to(dtype) for n in ("q", "k", "v"))
+    out = TorchPagedAttention(b["meta"]).forward(q, k, v, cache, scale, window)
+    return out, cache

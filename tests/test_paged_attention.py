@@ -1,0 +1,137 @@
+"""CPU tests of the Triton paged attention under TRITON_INTERPRET=1 (GPU: *_gpu.py)."""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+# Triton picks interpreter or compiler when a kernel is decorated, so the
+# variable must be set before the module is imported; only without CUDA, since
+# the whole suite shares one process and GPU tests need the real compiler.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from loraserve.kernels import paged_attention as pa  # noqa: E402
+from paged_attention_utils import make_batch, reference  # noqa: E402
+
+if not torch.cuda.is_available() and type(pa._attn_kernel).__name__ != "InterpretedFunction":
+    # Imported earlier in this process before the variable was set: decorate again.
+    pa = importlib.reload(pa)
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU interpreter tests; the GPU has the _gpu file"
+)
+
+
+def run_kernel(b, scale, window, **kw):
+    cache = b["cache"].clone()
+    pa.write_kv_cache(b["k"], b["v"], cache, b["slot_mapping"])
+    out = torch.full_like(b["q"], float("nan"))
+    pa.paged_attention(
+        b["q"],
+        cache,
+        out,
+        b["query_start_loc"],
+        b["seq_lens"],
+        b["block_tables"],
+        scale,
+        sliding_window=window,
+        **kw,
+    )
+    return out, cache
+
+
+def check(b, window=None, atol=1e-5, **kw):
+    d = b["q"].shape[-1]
+    scale = d**-0.5
+    want, want_cache = reference(b, scale, window)
+    got, got_cache = run_kernel(b, scale, window, **kw)
+    assert torch.equal(got_cache, want_cache)
+    rt = b["real_t"]
+    torch.testing.assert_close(got[:rt], want, atol=atol, rtol=atol)
+
+
+MIXED = [(0, 7), (5, 1), (20, 1), (13, 9), (0, 1), (37, 3), (16, 16)]
+DECODE = [(3, 1), (40, 1), (15, 1), (16, 1), (0, 1)]
+
+
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_mixed_batch_gqa(block_size):
+    b = make_batch(MIXED, 4, 2, 16, block_size, seed=block_size)
+    check(b, max_query_len=b["max_query_len"])
+
+
+def test_mixed_batch_no_bound_and_splits():
+    # No max_query_len: the tiling assumes T; and a forced split of the keys.
+    b = make_batch(MIXED, 8, 2, 16, 16, seed=1)
+    check(b)
+    check(b, num_splits=3)
+
+
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_decode_split_kv(block_size):
+    b = make_batch(DECODE, 8, 2, 32, block_size, seed=2)
+    check(b, max_query_len=1, num_splits=1)
+    check(b, max_query_len=1, num_splits=4)
+    # Default choice (with the interpreter's small SM count it splits).
+    assert pa.choose_num_splits(5, 5, 2, 1, 4, 32, torch.float32, torch.device("cpu")) > 1
+    check(b, max_query_len=1)
+
+
+def test_sliding_window():
+    b = make_batch(MIXED, 4, 1, 16, 4, seed=3)
+    check(b, window=5, max_query_len=b["max_query_len"])
+    check(b, window=8, num_splits=2)
+
+
+def test_many_query_tiles_per_sequence():
+    # Small tiles so that sequences span several tiles and the tile-to-sequence
+    # lookup crosses more than one search block.
+    specs = [(0, 1)] * 130 + [(3, 11), (0, 9)]
+    b = make_batch(specs, 2, 1, 16, 4, seed=4)
+    cfg = pa.AttentionConfig(block_q=2, block_n=16, num_warps=4, num_stages=1)
+    check(b, config=cfg)
+
+
+def test_odd_group_and_head_dim():
+    # Group 3 (padded to 4 rows) and head_dim 24 (padded to 32).
+    b = make_batch(MIXED[:4], 6, 2, 24, 16, seed=5)
+    check(b, max_query_len=b["max_query_len"])
+
+
+def test_padding_is_harmless():
+    b = make_batch(MIXED[:3], 4, 2, 16, 16, pad_tokens=5, pad_seqs=3, seed=6)
+    check(b, max_query_len=b["max_query_len"])
+    got, _ = run_kernel(b, 0.25, None, num_splits=2)
+    # Split launches write zeros for padding tokens.
+    assert torch.equal(got[b["real_t"] :], torch.zeros_like(got[b["real_t"] :]))
+    db = make_batch(DECODE, 4, 2, 16, 16, pad_tokens=3, pad_seqs=3, seed=7)
+    check(db, max_query_len=1)
+
+
+def test_write_kv_cache_skips_padding_and_strided_input():
+    b = make_batch(MIXED[:3], 4, 2, 16, 4, pad_tokens=2, seed=8)
+    t = b["k"].shape[0]
+    # k and v as column slices of one fused buffer, as a QKV projection gives them.
+    kv = torch.cat([b["k"].reshape(t, -1), b["v"].reshape(t, -1)], dim=1)
+    k = kv[:, :32].view(t, 2, 16)
+    v = kv[:, 32:].view(t, 2, 16)
+    cache = b["cache"].clone()
+    pa.write_kv_cache(k, v, cache, b["slot_mapping"])
+    want = b["cache"].clone()
+    rt = b["real_t"]
+    want[0].view(-1, 2, 16)[b["meta"].slot_mapping] = b["k"][:rt]
+    want[1].view(-1, 2, 16)[b["meta"].slot_mapping] = b["v"][:rt]
+    assert torch.equal(cache, want)
+
+
+def test_workspace_checks():
+    b = make_batch(DECODE, 4, 2, 16, 16, seed=9)
+    ws = pa.make_workspace(4, 16, "cpu")
+    assert ws.numel() == pa.workspace_numel(4, 16)
+    check(b, max_query_len=1, num_splits=8, workspace=ws)
+    with pytest.raises(ValueError):
+        run_kernel(b, 0.25, None, num_splits=8, workspace=ws[:10])
