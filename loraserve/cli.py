@@ -98,6 +98,12 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="A Jinja chat template file that replaces the tokenizer's own.",
     )
     server.add_argument(
+        "--generation-config", default="auto",
+        help="Where unset sampling fields take their defaults from: 'auto' (the model's "
+        "generation_config.json), 'vllm' (OpenAI's defaults only) or a folder holding a "
+        "generation_config.json.",
+    )
+    server.add_argument(
         "--uvicorn-log-level", default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="Log level of uvicorn.",
@@ -238,6 +244,10 @@ def validate_serve_args(args: argparse.Namespace) -> None:
     pinned = sum(m.pinned for m in modules)
     if pinned > args.max_loras:
         raise CLIError(f"{pinned} pinned adapters do not fit in --max-loras {args.max_loras}")
+    if args.generation_config not in ("auto", "vllm") and not os.path.isdir(
+        args.generation_config
+    ):
+        raise CLIError(f"--generation-config {args.generation_config!r} is not a folder")
     if args.chat_template and not os.path.isfile(args.chat_template):
         raise CLIError(f"--chat-template {args.chat_template!r} is not a file")
 
@@ -246,6 +256,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from loraserve.config import EngineConfig
     from loraserve.engine.tokenizer import eos_token_id, load_tokenizer
     from loraserve.entrypoints.api_server import ServerSettings, serve
+    from loraserve.entrypoints.serving_common import load_sampling_defaults
 
     engine_kwargs = engine_kwargs_from_args(args)
     try:
@@ -260,6 +271,16 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.chat_template:
         with open(args.chat_template) as f:
             tokenizer.chat_template = f.read()
+    if args.generation_config == "vllm":
+        sampling_defaults = {}
+    else:
+        source = (config.model_config.model if args.generation_config == "auto"
+                  else args.generation_config)
+        sampling_defaults = load_sampling_defaults(source)
+    if sampling_defaults:
+        logging.getLogger("loraserve.cli").info(
+            "default sampling parameters from generation_config.json: %s", sampling_defaults
+        )
     settings = ServerSettings(
         engine_kwargs=engine_kwargs,
         served_model_names=args.served_model_name or [args.model],
@@ -269,6 +290,7 @@ def run_serve(args: argparse.Namespace) -> int:
         lora_modules=args.lora_modules or [],
         max_loras=args.max_loras,
         eos_token_id=eos_token_id(tokenizer, config.model_config.hf_config),
+        sampling_defaults=sampling_defaults,
         uvicorn_log_level=args.uvicorn_log_level,
     )
     try:

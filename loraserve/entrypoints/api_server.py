@@ -65,6 +65,8 @@ class ServerSettings:
     lora_modules: list[LoRAModulePath] = field(default_factory=list)
     max_loras: int = 1
     eos_token_id: int | None = None
+    # Unset request fields take these (from the model's generation_config.json).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     uvicorn_log_level: str = "info"
 
 
@@ -261,8 +263,10 @@ async def serve(settings: ServerSettings, tokenizer: Any) -> int:
         state = ServerState(
             engine=engine,
             models=models,
-            completion=OpenAIServingCompletion(engine, models, tokenizer, ready.max_model_len),
-            chat=OpenAIServingChat(engine, models, tokenizer, ready.max_model_len),
+            completion=OpenAIServingCompletion(engine, models, tokenizer, ready.max_model_len,
+                                               settings.sampling_defaults),
+            chat=OpenAIServingChat(engine, models, tokenizer, ready.max_model_len,
+                                   settings.sampling_defaults),
             metrics=metrics,
             api_key=settings.api_key,
             allow_runtime_lora=allow_runtime,

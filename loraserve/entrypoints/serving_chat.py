@@ -56,8 +56,14 @@ def _message_dict(message: Any) -> dict[str, Any]:
 
 class OpenAIServingChat:
     def __init__(
-        self, engine: AsyncEngineClient, models: ServingModels, tokenizer: Any, max_model_len: int
+        self,
+        engine: AsyncEngineClient,
+        models: ServingModels,
+        tokenizer: Any,
+        max_model_len: int,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
+        self.sampling_defaults = sampling_defaults or {}
         self.engine = engine
         self.models = models
         self.tokenizer = tokenizer
@@ -104,8 +110,10 @@ class OpenAIServingChat:
         else:
             param, requested = "max_tokens", request.max_tokens
         max_tokens = resolve_max_tokens(requested, len(ids), self.max_model_len, param)
+        if requested is None and "max_new_tokens" in self.sampling_defaults:
+            max_tokens = min(max_tokens, self.sampling_defaults["max_new_tokens"])
         top_k = (request.top_logprobs or 0) if request.logprobs else None
-        params = build_sampling_params(request, max_tokens, top_k)
+        params = build_sampling_params(request, max_tokens, top_k, self.sampling_defaults)
         if self.engine.is_dead:
             raise engine_unavailable()
         request_id = random_id("chatcmpl")

@@ -7,6 +7,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from pathlib import Path
 from typing import Any
 
 from loraserve.entrypoints.errors import APIError, bad_request
@@ -49,26 +50,52 @@ def resolve_max_tokens(
     return requested
 
 
+# Sampling fields that a model's generation_config.json may set, as vLLM reads them
+# with --generation-config auto: they replace the OpenAI defaults, not the request.
+_GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                             "max_new_tokens")
+
+
+def load_sampling_defaults(model_dir: str) -> dict[str, Any]:
+    """The sampling defaults from `<model_dir>/generation_config.json`, if any."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: config[k] for k in _GENERATION_CONFIG_FIELDS if config.get(k) is not None}
+
+
 def build_sampling_params(
-    request: SamplingFields, max_tokens: int, logprobs: int | None
+    request: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """SamplingParams from an OpenAI request; invalid values become a 400."""
+    """SamplingParams from an OpenAI request; invalid values become a 400.
+
+    A field the request leaves unset takes the model's default (`defaults`), then
+    OpenAI's."""
+    defaults = defaults or {}
+
+    def pick(name: str, fallback: Any) -> Any:
+        value = getattr(request, name)
+        return value if value is not None else defaults.get(name, fallback)
+
     if logprobs is not None and logprobs > MAX_LOGPROBS:
         raise bad_request(
             f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}.", param="logprobs"
         )
     fields: dict[str, Any] = {
         "n": request.n,
-        "temperature": 1.0 if request.temperature is None else request.temperature,
-        "top_p": 1.0 if request.top_p is None else request.top_p,
-        "top_k": 0 if request.top_k is None else request.top_k,
-        "min_p": 0.0 if request.min_p is None else request.min_p,
+        "temperature": pick("temperature", 1.0),
+        "top_p": pick("top_p", 1.0),
+        "top_k": pick("top_k", 0),
+        "min_p": pick("min_p", 0.0),
         "seed": request.seed,
         "presence_penalty": request.presence_penalty or 0.0,
         "frequency_penalty": request.frequency_penalty or 0.0,
-        "repetition_penalty": (
-            1.0 if request.repetition_penalty is None else request.repetition_penalty
-        ),
+        "repetition_penalty": pick("repetition_penalty", 1.0),
         "max_tokens": max_tokens,
         "min_tokens": request.min_tokens,
         "stop": request.stop,

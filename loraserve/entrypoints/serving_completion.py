@@ -34,8 +34,14 @@ from loraserve.entrypoints.serving_models import ServingModels
 
 class OpenAIServingCompletion:
     def __init__(
-        self, engine: AsyncEngineClient, models: ServingModels, tokenizer: Any, max_model_len: int
+        self,
+        engine: AsyncEngineClient,
+        models: ServingModels,
+        tokenizer: Any,
+        max_model_len: int,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
+        self.sampling_defaults = sampling_defaults or {}
         self.engine = engine
         self.models = models
         self.tokenizer = tokenizer
@@ -85,6 +91,7 @@ class OpenAIServingCompletion:
                 request,
                 resolve_max_tokens(request.max_tokens, len(ids), self.max_model_len),
                 request.logprobs,
+                self.sampling_defaults,
             )
             for _, ids in prompts
         ]
