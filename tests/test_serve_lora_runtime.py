@@ -53,7 +53,7 @@ def server(llama_dir, llama_adapters, fragile, resolver_dir):
         env={
             "LORASERVE_ALLOW_RUNTIME_LORA_UPDATING": "true",
             "LORASERVE_LORA_RESOLVER_CACHE_DIR": resolver_dir,
-            "LORASERVE_TEST_LORA_LOAD_DELAY": f"slow={SLOW_LOAD_S}",
+            "LORASERVE_TEST_LORA_LOAD_DELAY": f"slow={SLOW_LOAD_S},slowrt={SLOW_LOAD_S}",
         },
     )
     try:
@@ -89,9 +89,9 @@ def engine_stats(server) -> dict:
     return server.get("/v1/engine_stats").json()
 
 
-def test_slow_adapter_load_does_not_stall_other_streams(server, reference):
-    cached = engine_stats(server)["scheduler"]["cpu_lora_adapters"]
-    assert "slow" not in cached and "fragile" not in cached
+def stream_while(server, action):
+    """Stream from adapter a1 in a loop while action() runs; returns action's result,
+    its start and end times, and the arrival time of every streamed token."""
     stamps: list[float] = []
     stop = threading.Event()
 
@@ -113,17 +113,37 @@ def test_slow_adapter_load_does_not_stall_other_streams(server, reference):
             time.sleep(0.02)
         assert len(stamps) >= 5, server.output()
         t0 = time.monotonic()
-        response = complete(server, "slow")
+        result = action()
         t1 = time.monotonic()
     finally:
         stop.set()
         streamer.join(timeout=60)
-    assert token_ids(response) == reference["r16_qv"]
+    return result, t0, t1, stamps
+
+
+def assert_no_stall(t0: float, t1: float, stamps: list[float]) -> None:
     assert t1 - t0 >= SLOW_LOAD_S * 0.9, "the test hook did not slow the load"
     during = [t for t in stamps if t0 <= t <= t0 + SLOW_LOAD_S]
     assert len(during) >= 10, f"only {len(during)} tokens while the adapter loaded"
     gaps = [b - a for a, b in zip(during, during[1:], strict=False)]
     assert max(gaps) < 1.0, f"the stream stalled for {max(gaps):.2f} s"
+
+
+def test_slow_adapter_load_does_not_stall_other_streams(server, reference):
+    cached = engine_stats(server)["scheduler"]["cpu_lora_adapters"]
+    assert "slow" not in cached and "fragile" not in cached
+    response, t0, t1, stamps = stream_while(server, lambda: complete(server, "slow"))
+    assert token_ids(response) == reference["r16_qv"]
+    assert_no_stall(t0, t1, stamps)
+
+
+def test_slow_runtime_load_does_not_stall_other_streams(server, llama_adapters, reference):
+    body = {"lora_name": "slowrt", "lora_path": llama_adapters["r1"]}
+    response, t0, t1, stamps = stream_while(
+        server, lambda: server.post("/v1/load_lora_adapter", body))
+    assert response.status_code == 200, response.text
+    assert_no_stall(t0, t1, stamps)
+    assert token_ids(complete(server, "slowrt")) == reference["r1"]
 
 
 def test_failed_background_load_fails_only_its_requests(server, fragile, reference):

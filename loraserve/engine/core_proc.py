@@ -9,14 +9,14 @@ process exits on SHUTDOWN, SIGTERM/SIGINT, or as soon as its parent is gone.
 from __future__ import annotations
 
 import ctypes
-import importlib
 import os
 import signal
 import sys
 import threading
 import time
 import traceback
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 import msgspec
 import zmq
@@ -104,15 +104,59 @@ def _use_thread_locks_for_progress_bars() -> None:
     tqdm.set_lock(threading.RLock())
 
 
-def _engine_core_class() -> type:
-    # Tests may swap in a slow or failing engine; production always uses EngineCore.
-    spec = os.environ.get("LORASERVE_TEST_ENGINE_CORE")
-    if spec:
-        module, _, name = spec.partition(":")
-        return getattr(importlib.import_module(module), name)
-    from loraserve.engine.engine_core import EngineCore
+class _PendingAdd(NamedTuple):
+    call: UtilityCall
+    lora_request: LoRARequest
+    pinned: bool
+    future: Future
 
-    return EngineCore
+
+class RuntimeLoRALoader:
+    """Runs add_lora utility calls without stalling the loop.
+
+    The disk read and parsing (the slow part) happen on a worker thread; once done,
+    EngineCore.add_lora runs on the loop thread with that result in place of a
+    second read, so caching, pinning and slot activation stay the engine's own.
+    """
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.manager = getattr(core, "lora_manager", None)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-runtime-load")
+        self.pending: list[_PendingAdd] = []
+
+    def submit(self, call: UtilityCall) -> bool:
+        """Start an add_lora call; False when it must run inline (no LoRA manager)."""
+        if self.manager is None:
+            return False
+        lora_request = msgspec.convert(call.args[0], LoRARequest)
+        pinned = bool(call.args[1]) if len(call.args) > 1 else False
+        future = self._pool.submit(self.manager.load, lora_request)
+        self.pending.append(_PendingAdd(call, lora_request, pinned, future))
+        return True
+
+    def finished(self) -> list[UtilityResult]:
+        """Complete the loads that are done; their results, in submission order."""
+        results = []
+        while self.pending and self.pending[0].future.done():
+            item = self.pending.pop(0)
+            result = UtilityResult(call_id=item.call.call_id)
+            try:
+                loaded = item.future.result()
+                disk_load = self.manager.load
+                self.manager.load = lambda _request, loaded=loaded: loaded
+                try:
+                    self.core.add_lora(item.lora_request, item.pinned)
+                finally:
+                    self.manager.load = disk_load
+            except Exception as exc:  # noqa: BLE001 - reported back to the caller
+                result.error_type = type(exc).__name__
+                result.error = str(exc) or type(exc).__name__
+            results.append(result)
+        return results
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _Stop(BaseException):
@@ -128,6 +172,7 @@ class EngineCoreProc:
         self.out_sock = out_sock
         self.parent_pid = parent_pid
         self.decoder = InputDecoder()
+        self.lora_loader = RuntimeLoRALoader(core)
         self.stop = False
         self._last_stats = 0.0
         self._was_busy = False
@@ -141,6 +186,8 @@ class EngineCoreProc:
                 self._drain_inputs()
             if self.stop or os.getppid() != self.parent_pid:
                 return
+            for result in self.lora_loader.finished():
+                self._send_utility_result(result)
             busy = self.core.has_unfinished_requests()
             if busy:
                 outputs = self.core.step()
@@ -149,7 +196,7 @@ class EngineCoreProc:
             else:
                 # Going idle: report it at once so running/waiting gauges drop to 0.
                 self._send_outputs(None, force=self._was_busy)
-                timeout = _IDLE_POLL_MS
+                timeout = _EMPTY_STEP_POLL_MS if self.lora_loader.pending else _IDLE_POLL_MS
             self._was_busy = busy
 
     def _send_outputs(self, outputs: EngineCoreOutputs | None, force: bool) -> None:
@@ -193,7 +240,12 @@ class EngineCoreProc:
             )
             self._send_outputs(EngineCoreOutputs(outputs=[failed]), force=True)
 
+    def _send_utility_result(self, result: UtilityResult) -> None:
+        self.out_sock.send_multipart(encode(OutputKind.UTILITY_RESULT, result), copy=False)
+
     def _call_utility(self, call: UtilityCall) -> None:
+        if call.method == "add_lora" and self.lora_loader.submit(call):
+            return  # answered from the loop once the adapter is read
         result = UtilityResult(call_id=call.call_id)
         try:
             args = list(call.args)
@@ -208,7 +260,7 @@ class EngineCoreProc:
         except Exception as exc:  # noqa: BLE001 - reported back to the caller
             result.error_type = type(exc).__name__
             result.error = str(exc) or type(exc).__name__
-        self.out_sock.send_multipart(encode(OutputKind.UTILITY_RESULT, result), copy=False)
+        self._send_utility_result(result)
 
 
 def run_engine_core(
@@ -241,7 +293,9 @@ def run_engine_core(
             from loraserve.config import EngineConfig
 
             config = EngineConfig.from_kwargs(**engine_kwargs)
-            core = _engine_core_class()(config)
+            from loraserve.engine.engine_core import EngineCore
+
+            core = EngineCore(config)
             _install_test_load_delay(core)
         except Exception as exc:  # noqa: BLE001 - sent to the parent, which prints it
             traceback.print_exc()
@@ -255,11 +309,12 @@ def run_engine_core(
             model_path=str(config.model_config.model),
         )
         out_sock.send_multipart(encode(OutputKind.READY, ready))
+        proc = EngineCoreProc(core, in_sock, out_sock, parent_pid)
         try:
-            EngineCoreProc(core, in_sock, out_sock, parent_pid).run()
+            proc.run()
         finally:
-            if hasattr(core, "shutdown"):
-                core.shutdown()
+            proc.lora_loader.shutdown()
+            core.shutdown()
     except _Stop:
         pass
     except Exception:  # noqa: BLE001 - a crash must still end the process cleanly

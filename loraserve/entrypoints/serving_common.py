@@ -23,6 +23,9 @@ def check_unsupported(request: SamplingFields) -> None:
         raise bad_request("logit_bias is not supported by this server.", param="logit_bias")
     if request.n < 1:
         raise bad_request(f"n must be at least 1, got {request.n}.", param="n")
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options can only be set when stream is true.",
+                          param="stream_options")
 
 
 def resolve_max_tokens(
