@@ -111,10 +111,13 @@ def _num_sms() -> int:
 
 
 def default_shrink_config(num_tokens: int, k: int, rank: int, num_slices: int) -> dict[str, int]:
+    # Small token tiles win below ~2k tokens (measured on an H200): a batch that
+    # mixes many adapters has many part-filled tiles, and split-K makes up for
+    # the lost parallelism.
     block_r = rank_block(rank)
-    block_m = 16 if num_tokens <= 16 else (32 if num_tokens <= 128 else 64)
+    block_m = 16 if num_tokens <= 256 else (32 if num_tokens <= 2048 else 64)
     if block_r >= 128:
-        block_m = 16 if num_tokens <= 64 else 32
+        block_m = 16 if num_tokens <= 1024 else 32
     block_k = 128 if block_r <= 64 else 64
     # Split K until there are a few programs per SM: decode has one token tile,
     # and a single program walking all of K would be latency-bound.
@@ -135,26 +138,27 @@ def default_shrink_config(num_tokens: int, k: int, rank: int, num_slices: int) -
 
 def default_expand_config(num_tokens: int, n_total: int, rank: int) -> dict[str, int]:
     block_r = rank_block(rank)
-    block_m = 16 if num_tokens <= 16 else (32 if num_tokens <= 128 else 64)
-    block_n = 64 if num_tokens <= 64 else 128
+    block_m = 16 if num_tokens <= 1024 else (32 if num_tokens <= 2048 else 64)
+    block_n = 32 if num_tokens <= 4 else (64 if num_tokens <= 64 else 128)
     if block_r >= 128:
-        block_n = 64
+        block_n = min(block_n, 64)
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
 
 
 def _lookup(table: dict[str, dict[str, int]], key: str) -> dict[str, int] | None:
     if key in table:
         return table[key]
-    # Same shape class, nearest T bucket that was tuned.
-    rest = key.split("_", 1)[1]
-    want = int(key.split("_", 1)[0][1:])
+    # Same shape class, nearest tuned T bucket, but only within a factor of 4:
+    # a decode config is wrong for prefill, and the heuristic is better then.
+    head, _, rest = key.partition("_")
+    want = int(head[1:])
     best: tuple[float, dict[str, int]] | None = None
     for k, v in table.items():
-        head, _, tail = k.partition("_")
+        h, _, tail = k.partition("_")
         if tail != rest:
             continue
-        dist = abs(_log2(int(head[1:])) - _log2(want))
-        if best is None or dist < best[0]:
+        dist = abs(_log2(int(h[1:])) - _log2(want))
+        if dist <= 2 and (best is None or dist < best[0]):
             best = (dist, v)
     return None if best is None else best[1]
 
