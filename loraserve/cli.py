@@ -226,8 +226,13 @@ def validate_serve_args(args: argparse.Namespace) -> None:
             f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
         )
     modules = args.lora_modules or []
-    if modules and not args.enable_lora:
-        raise CLIError("--lora-modules needs --enable-lora")
+    if not args.enable_lora:
+        given = [flag for flag, value in (("--lora-modules", modules),
+                                          ("--max-cpu-loras", args.max_cpu_loras),
+                                          ("--lora-target-modules", args.lora_target_modules))
+                 if value]
+        if given:
+            raise CLIError(f"{', '.join(given)} needs --enable-lora")
     names = [m.name for m in modules]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:

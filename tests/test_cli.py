@@ -61,6 +61,8 @@ def test_bad_lora_module_specs(text):
 @pytest.mark.parametrize("argv, message", [
     ([], "MODEL is required"),
     (["m", "--lora-modules", "a=/x"], "--enable-lora"),
+    (["m", "--max-cpu-loras", "4"], "--enable-lora"),
+    (["m", "--lora-target-modules", "q_proj"], "--enable-lora"),
     (["m", "--enable-lora", "--lora-modules", "a=/x", "a=/y"], "unique"),
     (["m", "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], "--max-cpu-loras"),
     (["m", "--gpu-memory-utilization", "1.5"], "gpu-memory-utilization"),

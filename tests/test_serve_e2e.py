@@ -359,3 +359,15 @@ def test_stop_string_and_echo(client, expected, tokenizer):
 def test_runtime_lora_endpoints_are_off_by_default(server):
     response = server.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/x"})
     assert response.status_code == 404
+
+
+def test_tokenize_and_detokenize(server, prompt_ids):
+    chat = server.post("/tokenize", {"model": "sql", "messages": CHAT_MESSAGES}).json()
+    assert chat["tokens"] == prompt_ids["chat"] and chat["count"] == len(prompt_ids["chat"])
+    plain = server.post("/tokenize", {"model": "base", "prompt": COMPLETION_PROMPT}).json()
+    assert plain["tokens"] == prompt_ids["completion"] and plain["max_model_len"] == 512
+    text = server.post("/detokenize", {"model": "base", "tokens": plain["tokens"]}).json()
+    assert text["prompt"] == COMPLETION_PROMPT
+    assert server.post("/tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
+    assert server.post("/tokenize", {"model": "base"}).status_code == 400
+    assert server.post("/detokenize", {"tokens": [10**9]}).status_code == 400

@@ -33,12 +33,15 @@ from loraserve.entrypoints.errors import APIError, bad_request, engine_unavailab
 from loraserve.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoRAAdapterRequest,
+    TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
 from loraserve.entrypoints.serving_chat import OpenAIServingChat
 from loraserve.entrypoints.serving_completion import OpenAIServingCompletion
 from loraserve.entrypoints.serving_models import LoRAModulePath, ServingModels
+from loraserve.entrypoints.serving_tokenization import OpenAIServingTokenization
 from loraserve.lora.resolver import load_resolvers
 from loraserve.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -76,6 +79,7 @@ class ServerState:
     models: ServingModels
     completion: OpenAIServingCompletion
     chat: OpenAIServingChat
+    tokenization: OpenAIServingTokenization
     metrics: ServerMetrics
     api_key: str | None
     allow_runtime_lora: bool
@@ -212,6 +216,14 @@ def build_app(state: ServerState) -> FastAPI:
         work = state.chat.create_chat_completion(body)
         return _to_response(await run_until_disconnect(raw_request, work))
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        return JSONResponse((await state.tokenization.tokenize(body)).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse((await state.tokenization.detokenize(body)).model_dump())
+
     if state.allow_runtime_lora:
 
         @app.post("/v1/load_lora_adapter")
@@ -260,13 +272,16 @@ async def serve(settings: ServerSettings, tokenizer: Any) -> int:
             allow_runtime_updates=allow_runtime,
         )
         await models.init_static_loras(settings.lora_modules)
+        chat = OpenAIServingChat(engine, models, tokenizer, ready.max_model_len,
+                                 settings.sampling_defaults)
         state = ServerState(
             engine=engine,
             models=models,
             completion=OpenAIServingCompletion(engine, models, tokenizer, ready.max_model_len,
                                                settings.sampling_defaults),
-            chat=OpenAIServingChat(engine, models, tokenizer, ready.max_model_len,
-                                   settings.sampling_defaults),
+            chat=chat,
+            tokenization=OpenAIServingTokenization(models, chat, tokenizer,
+                                                   ready.max_model_len),
             metrics=metrics,
             api_key=settings.api_key,
             allow_runtime_lora=allow_runtime,
