@@ -1,7 +1,8 @@
 """The punica wrapper: per-step token -> slot mapping, and the fused LoRA op.
 
 Every LoRA layer calls `add_lora_linear`. On CUDA it runs the Triton kernels of
-`loraserve.kernels`; elsewhere plain torch ops, one matmul pair per active slot.
+`loraserve.kernels`, which read a per-step grouping of tokens by slot built once
+here; elsewhere plain torch ops, one matmul pair per active slot.
 """
 
 from __future__ import annotations
@@ -20,14 +21,20 @@ def _kernels_available(device: torch.device) -> bool:
 
 
 class PunicaWrapper:
-    def __init__(self, max_num_tokens: int, device: torch.device) -> None:
+    def __init__(self, max_num_tokens: int, num_slots: int, device: torch.device) -> None:
         self.device = device
         # Preallocated so the CUDA path never allocates inside a captured graph.
         self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device)
         self.num_tokens = 0
+        # False: skip the LoRA ops entirely (no adapter in the step, or a graph
+        # captured for the no-LoRA case).
         self.any_lora = False
         self._slot_rows: list[tuple[int, torch.Tensor]] = []
-        self._use_kernels = _kernels_available(device)
+        self.meta = None
+        if _kernels_available(device):
+            from loraserve.kernels import LoRAMetadata
+
+            self.meta = LoRAMetadata(max_num_tokens, num_slots, device)
 
     def update_mapping(self, token_slots: list[int]) -> None:
         """Set the slot of each token of this step (-1: no adapter)."""
@@ -36,14 +43,22 @@ class PunicaWrapper:
             raise ValueError(f"{n} tokens exceed the punica buffer of {self.token_slots.numel()}")
         self.num_tokens = n
         slots = torch.tensor(token_slots, dtype=torch.int32)
-        self.token_slots[:n].copy_(slots, non_blocking=True)
         self.any_lora = bool((slots >= 0).any())
-        if not self._use_kernels:
-            self._slot_rows = [
-                (int(s), torch.nonzero(slots == s).flatten().to(self.device))
-                for s in torch.unique(slots).tolist()
-                if s >= 0
-            ]
+        if self.meta is not None:
+            self.token_slots[:n].copy_(slots, non_blocking=True)
+            self.meta.update(self.token_slots[:n])
+            return
+        self._slot_rows = [
+            (int(s), torch.nonzero(slots == s).flatten().to(self.device))
+            for s in torch.unique(slots).tolist()
+            if s >= 0
+        ]
+
+    def refresh_device_mapping(self, num_tokens: int) -> None:
+        """Regroup from `token_slots` already on the device (CUDA graph replays)."""
+        self.num_tokens = num_tokens
+        if self.meta is not None:
+            self.meta.update(self.token_slots[:num_tokens])
 
     def add_lora_linear(
         self,
@@ -55,10 +70,10 @@ class PunicaWrapper:
         """y[t, slice i] += (x[t] @ lora_a[i][s].T) @ lora_b[i][s].T for s = slot of t."""
         if not self.any_lora:
             return
-        if self._use_kernels:
+        if self.meta is not None:
             from loraserve.kernels import add_lora_linear
 
-            add_lora_linear(y, x, lora_a, lora_b, self.token_slots[: x.shape[0]])
+            add_lora_linear(y, x, lora_a, lora_b, self.token_slots[: x.shape[0]], self.meta)
             return
         for slot, rows in self._slot_rows:
             xs = x[rows].to(lora_a[0].dtype)

@@ -46,7 +46,8 @@ class ModelRunner:
         logger.info("model loaded in %.1f s", time.perf_counter() - start)
 
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
-        self.punica = PunicaWrapper(self.max_num_tokens, self.device)
+        num_slots = config.lora_config.max_loras if config.lora_config else 1
+        self.punica = PunicaWrapper(self.max_num_tokens, num_slots, self.device)
         self.lora_manager: LoRAManager | None = None
         if config.lora_config is not None:
             self.lora_manager = LoRAManager(self.model, config.lora_config, self.punica)

@@ -1,0 +1,96 @@
+"""Offline throughput: N requests of fixed input/output length, base vs LoRA.
+
+One process runs both, in the same session and on the same engine settings:
+the base model (no adapter) and the same requests spread over the adapters.
+
+    python benchmarks/offline.py --model /tmp/bench/llama3-8b-shape --load-format dummy \
+        --adapters /tmp/bench/adapters --num-adapters 32 --num-requests 256 \
+        --input-len 512 --output-len 128 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from loraserve import LLM, LoRARequest, SamplingParams
+
+
+def machine() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    return f"CPU {platform.processor() or platform.machine()} (torch {torch.__version__})"
+
+
+def make_prompts(num: int, input_len: int, vocab: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(input_len)]}
+            for _ in range(num)]
+
+
+def run(llm: LLM, prompts, params, loras) -> dict:
+    # A short warm-up outside the timing (kernel compilation, adapter loading).
+    llm.generate(prompts[:2], params, loras[:2] if isinstance(loras, list) else loras)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, loras)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": elapsed, "output_tokens": out_tokens,
+            "output_tok_per_s": out_tokens / elapsed,
+            "requests_per_s": len(outs) / elapsed}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", required=True)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--adapters", type=Path, help="folder of PEFT adapter folders")
+    p.add_argument("--num-adapters", type=int, default=32)
+    p.add_argument("--max-loras", type=int, default=None)
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+
+    max_loras = args.max_loras or args.num_adapters
+    llm = LLM(args.model, load_format=args.load_format, enable_lora=args.adapters is not None,
+              max_loras=max_loras, max_lora_rank=args.max_lora_rank,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              enforce_eager=args.enforce_eager, device=args.device)
+    vocab = llm.config.model_config.hf_config.vocab_size
+    prompts = make_prompts(args.num_requests, args.input_len, vocab)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+
+    results = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
+               "machine": machine(), "base": run(llm, prompts, params, None)}
+    if args.adapters is not None:
+        names = sorted(d.name for d in args.adapters.iterdir() if d.is_dir())
+        names = names[: args.num_adapters]
+        loras = [LoRARequest(n, i + 1, str(args.adapters / n)) for i, n in enumerate(names)]
+        per_prompt = [loras[i % len(loras)] for i in range(len(prompts))]
+        gc.collect()
+        results["lora"] = run(llm, prompts, params, per_prompt)
+        results["lora_over_base"] = (
+            results["lora"]["output_tok_per_s"] / results["base"]["output_tok_per_s"]
+        )
+    print(json.dumps(results, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
