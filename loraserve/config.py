@@ -101,6 +101,7 @@ class EngineConfig:
         max_cpu_loras: int | None = None,
         lora_dtype: str = "auto",
         lora_target_modules: list[str] | None = None,
+        specialize_active_lora: bool = False,
     ) -> EngineConfig:
         """Build and validate a config from vLLM-style keyword arguments."""
         from transformers import AutoConfig
@@ -189,6 +190,7 @@ class EngineConfig:
             lora_config=lora_config,
             device=dev,
             enforce_eager=enforce_eager,
+            extra={"specialize_active_lora": specialize_active_lora},
         )
 
     def replace(self, **changes: Any) -> EngineConfig:

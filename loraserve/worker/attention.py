@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 @dataclass
 class AttentionMetadata:
-    # Where each new token's K and V go: block_id * block_size + offset.
+    # Where each new token's K and V go: block_id * block_size + offset (-1: skip).
     slot_mapping: torch.Tensor  # [T] int64
     # Per sequence: start of its query tokens in the flat batch (len B + 1).
     query_start_loc: list[int]
@@ -24,6 +24,12 @@ class AttentionMetadata:
     seq_lens: list[int]
     block_tables: list[list[int]]
     block_size: int
+    # The same on the device, for kernels (int32; block_tables padded [B, max_blocks]).
+    query_start_loc_t: torch.Tensor | None = None
+    seq_lens_t: torch.Tensor | None = None
+    block_tables_t: torch.Tensor | None = None
+    # Host bound on any sequence's query length (1 for decode).
+    max_query_len: int | None = None
 
 
 def allocate_kv_cache(
@@ -86,4 +92,34 @@ class TorchPagedAttention:
             vs = values.transpose(0, 1).repeat_interleave(group, dim=0)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
             out[start:end] = o.transpose(0, 1)
+        return out
+
+
+class TritonPagedAttention:
+    """GPU backend: Triton kernels from loraserve.kernels, one launch per layer for
+    the whole batch, safe to capture in a CUDA graph."""
+
+    def __init__(self, meta: AttentionMetadata, workspace: torch.Tensor) -> None:
+        self.meta = meta
+        self.workspace = workspace
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        from loraserve.kernels.paged_attention import paged_attention, write_kv_cache
+
+        meta = self.meta
+        write_kv_cache(k.contiguous(), v.contiguous(), kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        paged_attention(
+            q.contiguous(), kv_cache, out, meta.query_start_loc_t, meta.seq_lens_t,
+            meta.block_tables_t, scale, sliding_window, max_query_len=meta.max_query_len,
+            workspace=self.workspace,
+        )
         return out

@@ -1,10 +1,16 @@
 """Loads the model (and its LoRA wrappers), owns the KV cache tensors, and runs
-one step: inputs -> forward -> logits -> sampled tokens."""
+one step: inputs -> forward -> logits -> sampled tokens.
+
+On a GPU, attention runs the Triton kernels, the KV cache is sized from
+gpu_memory_utilization after a profiling pass, and decode steps replay CUDA
+graphs (see cuda_graphs.py). On a CPU everything is plain torch.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +23,7 @@ from loraserve.model.weight_loader import init_dummy_weights, load_weights
 from loraserve.worker.attention import (
     AttentionMetadata,
     TorchPagedAttention,
+    TritonPagedAttention,
     allocate_kv_cache,
     kv_block_bytes,
 )
@@ -27,6 +34,19 @@ logger = logging.getLogger(__name__)
 
 # CPU has no memory profile to size against: cap the KV cache at this much.
 _CPU_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass
+class PreparedInputs:
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    token_lora_slots: list[int]
+    sample_indices: list[int]
+    is_decode: bool  # one token per sequence, every sequence samples
 
 
 class ModelRunner:
@@ -57,14 +77,60 @@ class ModelRunner:
         self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         self.head_dim = head_dim_of(hf)
         self.block_size = config.cache_config.block_size
-        self.num_kv_blocks = self._decide_num_blocks()
+        self.max_blocks_per_seq = -(-mc.max_model_len // self.block_size)
+        self.use_triton = self.device.type == "cuda"
+        self.attn_workspace = None
+        if self.use_triton:
+            from loraserve.kernels.paged_attention import make_workspace
+
+            self.attn_workspace = make_workspace(hf.num_attention_heads, self.head_dim,
+                                                 self.device)
+        self.sampler = Sampler(self.device, mc.seed)
+
+        # A scratch KV cache of one block serves the profiling pass.
+        self.kv_caches = allocate_kv_cache(
+            self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim,
+            self.dtype, self.device,
+        )
+        peak = self._profile() if self.device.type == "cuda" else 0
+        self.num_kv_blocks = self._decide_num_blocks(peak)
         self.kv_caches = allocate_kv_cache(
             self.num_layers, self.num_kv_blocks, self.block_size, self.num_kv_heads,
             self.head_dim, self.dtype, self.device,
         )
-        self.sampler = Sampler(self.device, mc.seed)
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from loraserve.worker.cuda_graphs import DecodeGraphs
 
-    def _decide_num_blocks(self) -> int:
+            self.graphs = DecodeGraphs(self)
+            self.graphs.capture()
+
+    # ---- memory ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _profile(self) -> int:
+        """Run the largest step once (LoRA on, if enabled) and return peak bytes."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = self.max_num_tokens
+        num_seqs = min(self.config.scheduler_config.max_num_seqs, n)
+        per_seq = [n // num_seqs + (1 if i < n % num_seqs else 0) for i in range(num_seqs)]
+        qsl = [0]
+        for count in per_seq:
+            qsl.append(qsl[-1] + count)
+        inputs = PreparedInputs(
+            input_ids=[0] * n, positions=[p for c in per_seq for p in range(c)],
+            slot_mapping=[-1] * n, query_start_loc=qsl, seq_lens=per_seq,
+            block_tables=[[0] * -(-c // self.block_size) for c in per_seq],
+            token_lora_slots=[0 if self.lora_manager else -1] * n,
+            sample_indices=[q - 1 for q in qsl[1:]], is_decode=False,
+        )
+        hidden = self._forward_eager(inputs)
+        self.model.compute_logits(hidden[: num_seqs])
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def _decide_num_blocks(self, peak_bytes: int) -> int:
         cc = self.config.cache_config
         if cc.num_kv_blocks is not None:
             return cc.num_kv_blocks
@@ -72,61 +138,95 @@ class ModelRunner:
             self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
         )
         sc = self.config.scheduler_config
-        # Enough for every sequence at full length, but no more than the budget.
-        wanted = sc.max_num_seqs * -(-sc.max_model_len // self.block_size)
+        wanted = sc.max_num_seqs * self.max_blocks_per_seq
         if cc.kv_cache_memory_bytes is not None:
-            budget = cc.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
+            return max(1, cc.kv_cache_memory_bytes // per_block)
+        if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * cc.gpu_memory_utilization) - used
-            return max(1, budget // per_block)
-        else:
-            budget = _CPU_KV_CACHE_BYTES
-        return max(1, min(wanted, budget // per_block))
+            # Memory other processes hold counts against our share too.
+            others = total - free - torch.cuda.memory_reserved(self.device)
+            budget = int(total * cc.gpu_memory_utilization) - others - peak_bytes
+            blocks = budget // per_block
+            if blocks < 1:
+                raise RuntimeError(
+                    f"no memory left for the KV cache: the model and activations take "
+                    f"{peak_bytes / 2**30:.1f} GiB of a {cc.gpu_memory_utilization:.2f} share "
+                    f"of {total / 2**30:.1f} GiB; raise --gpu-memory-utilization or lower "
+                    "--max-num-batched-tokens"
+                )
+            logger.info("KV cache: %d blocks (%.1f GiB)", blocks, blocks * per_block / 2**30)
+            return blocks
+        return max(1, min(wanted, _CPU_KV_CACHE_BYTES // per_block))
+
+    # ---- a step --------------------------------------------------------------------
+
+    def prepare(self, step: StepInput, lora_slots: dict[str, int]) -> PreparedInputs:
+        bs = self.block_size
+        inputs = PreparedInputs([], [], [], [0], [], [], [], [], True)
+        for seq in step.seqs:
+            n = len(seq.token_ids)
+            inputs.input_ids.extend(seq.token_ids)
+            pos = range(seq.start_pos, seq.start_pos + n)
+            inputs.positions.extend(pos)
+            inputs.slot_mapping.extend(seq.block_ids[p // bs] * bs + p % bs for p in pos)
+            inputs.query_start_loc.append(inputs.query_start_loc[-1] + n)
+            inputs.seq_lens.append(seq.start_pos + n)
+            inputs.block_tables.append(seq.block_ids)
+            slot = lora_slots.get(seq.lora_name, -1) if seq.lora_name is not None else -1
+            inputs.token_lora_slots.extend([slot] * n)
+            if seq.sampling is not None:
+                inputs.sample_indices.append(inputs.query_start_loc[-1] - 1)
+            if n != 1 or seq.sampling is None:
+                inputs.is_decode = False
+        return inputs
 
     @torch.no_grad()
     def execute(self, step: StepInput, lora_slots: dict[str, int]) -> SamplerOutput:
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        block_tables: list[list[int]] = []
-        token_lora_slots: list[int] = []
-        sample_indices: list[int] = []
-        bs = self.block_size
-        for seq in step.seqs:
-            n = len(seq.token_ids)
-            token_ids.extend(seq.token_ids)
-            pos = range(seq.start_pos, seq.start_pos + n)
-            positions.extend(pos)
-            slot_mapping.extend(seq.block_ids[p // bs] * bs + p % bs for p in pos)
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(seq.start_pos + n)
-            block_tables.append(seq.block_ids)
-            slot = lora_slots.get(seq.lora_name, -1) if seq.lora_name is not None else -1
-            token_lora_slots.extend([slot] * n)
-            if seq.sampling is not None:
-                sample_indices.append(query_start_loc[-1] - 1)
+        inputs = self.prepare(step, lora_slots)
+        rows = [s.sampling for s in step.seqs if s.sampling is not None]
+        if self.graphs is not None and inputs.is_decode and self.graphs.fits(len(step.seqs)):
+            logits = self.graphs.run(inputs)
+        else:
+            hidden = self._forward_eager(inputs)
+            if not inputs.sample_indices:
+                return SamplerOutput([], [])
+            index = torch.tensor(inputs.sample_indices, device=self.device)
+            logits = self.model.compute_logits(hidden[index])
+        return self.sampler(logits, rows)
 
+    def _forward_eager(self, inputs: PreparedInputs) -> torch.Tensor:
+        dev = self.device
+        self.punica.update_mapping(inputs.token_lora_slots)
+        meta = self.attention_metadata(inputs)
+        attn = (TritonPagedAttention(meta, self.attn_workspace) if self.use_triton
+                else TorchPagedAttention(meta))
+        return self.model(
+            torch.tensor(inputs.input_ids, dtype=torch.long).to(dev, non_blocking=True),
+            torch.tensor(inputs.positions, dtype=torch.long).to(dev, non_blocking=True),
+            self.kv_caches,
+            attn,
+        )
+
+    def attention_metadata(self, inputs: PreparedInputs) -> AttentionMetadata:
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-            block_size=bs,
+            slot_mapping=torch.tensor(inputs.slot_mapping, dtype=torch.long).to(dev),
+            query_start_loc=inputs.query_start_loc,
+            seq_lens=inputs.seq_lens,
+            block_tables=inputs.block_tables,
+            block_size=self.block_size,
         )
-        self.punica.update_mapping(token_lora_slots)
-        hidden = self.model(
-            torch.tensor(token_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches,
-            TorchPagedAttention(meta),
-        )
-        if not sample_indices:
-            return SamplerOutput([], [])
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_indices, device=dev)])
-        rows = [s.sampling for s in step.seqs if s.sampling is not None]
-        return self.sampler(logits, rows)
+        if self.use_triton:
+            width = max(len(b) for b in inputs.block_tables)
+            table = torch.zeros(len(inputs.block_tables), width, dtype=torch.int32)
+            for i, blocks in enumerate(inputs.block_tables):
+                table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            meta.block_tables_t = table.to(dev, non_blocking=True)
+            meta.query_start_loc_t = torch.tensor(inputs.query_start_loc,
+                                                  dtype=torch.int32).to(dev)
+            meta.seq_lens_t = torch.tensor(inputs.seq_lens, dtype=torch.int32).to(dev)
+            meta.max_query_len = max(
+                b - a for a, b in zip(inputs.query_start_loc, inputs.query_start_loc[1:],
+                                      strict=False)
+            )
+        return meta

@@ -1,0 +1,130 @@
+"""CUDA graphs for decode steps, one per padded batch size and LoRA case.
+
+A decode step (one new token per sequence) of B sequences replays the graph of
+the smallest captured size >= B. Inputs are copied into static buffers; padded
+rows get slot -1 everywhere (no KV write, no adapter) and a one-token sequence,
+so they compute harmless garbage that nobody reads.
+
+LoRA cases. vLLM captures every size once per case, [0, max_loras + 1] by
+default, which doubles start-up. Our LoRA kernels launch grids that depend on the
+slot count only, not on how many adapters a batch uses, and they skip tokens of
+slot -1 at no cost worth a second graph. So by default a LoRA engine captures a
+single set, the LoRA one, and runs base-only batches through it too. With
+`specialize_active_lora` it also captures a no-LoRA set, which saves the (small)
+LoRA launches in steps that use no adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from loraserve.worker.attention import AttentionMetadata, TritonPagedAttention
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 8))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class DecodeGraphs:
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        sc = runner.config.scheduler_config
+        self.sizes = capture_sizes(min(sc.max_num_seqs, sc.max_num_batched_tokens))
+        max_bs = self.sizes[-1]
+        dev = runner.device
+        lora = runner.lora_manager is not None
+        specialize = runner.config.extra.get("specialize_active_lora", False)
+        self.cases = [True] if lora and not specialize else ([False, True] if lora else [False])
+        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=dev)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(max_bs, runner.max_blocks_per_seq, dtype=torch.int32,
+                                        device=dev)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+
+    def fits(self, num_seqs: int) -> bool:
+        return num_seqs <= self.sizes[-1]
+
+    def _padded(self, num_seqs: int) -> int:
+        return next(s for s in self.sizes if s >= num_seqs)
+
+    def _forward(self, bs: int, with_lora: bool) -> torch.Tensor:
+        runner = self.runner
+        runner.punica.any_lora = with_lora
+        if with_lora:
+            runner.punica.refresh_device_mapping(bs)
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs], query_start_loc=[], seq_lens=[],
+            block_tables=[], block_size=runner.block_size,
+            query_start_loc_t=self.query_start_loc[: bs + 1], seq_lens_t=self.seq_lens[:bs],
+            block_tables_t=self.block_tables[:bs], max_query_len=1,
+        )
+        hidden = runner.model(self.input_ids[:bs], self.positions[:bs], runner.kv_caches,
+                              TritonPagedAttention(meta, runner.attn_workspace))
+        return runner.model.compute_logits(hidden)
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        dev = self.runner.device
+        torch.cuda.synchronize(dev)
+        free_before = torch.cuda.mem_get_info(dev)[0]
+        start = time.perf_counter()
+        self.runner.punica.token_slots.fill_(-1)
+        for bs in reversed(self.sizes):
+            for case in self.cases:
+                self._forward(bs, case)  # warm-up: compiles kernels, sizes workspaces
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    logits = self._forward(bs, case)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[(bs, case)] = (graph, logits)
+        torch.cuda.synchronize(dev)
+        self.capture_seconds = time.perf_counter() - start
+        self.capture_bytes = free_before - torch.cuda.mem_get_info(dev)[0]
+        logger.info(
+            "captured %d CUDA graphs (%d sizes x %d LoRA cases) in %.1f s using %.2f GiB",
+            len(self.graphs), len(self.sizes), len(self.cases), self.capture_seconds,
+            self.capture_bytes / 2**30,
+        )
+
+    def run(self, inputs) -> torch.Tensor:
+        n = len(inputs.input_ids)
+        bs = self._padded(n)
+        if len(self.cases) == 2:
+            case = any(s >= 0 for s in inputs.token_lora_slots)
+        else:
+            case = self.cases[0]
+        dev = self.runner.device
+        self.input_ids[:n].copy_(torch.tensor(inputs.input_ids), non_blocking=True)
+        self.positions[:n].copy_(torch.tensor(inputs.positions), non_blocking=True)
+        self.slot_mapping[:n].copy_(torch.tensor(inputs.slot_mapping), non_blocking=True)
+        self.slot_mapping[n:bs].fill_(-1)
+        self.seq_lens[:n].copy_(torch.tensor(inputs.seq_lens, dtype=torch.int32),
+                                non_blocking=True)
+        self.seq_lens[n:bs].fill_(1)
+        width = max(len(b) for b in inputs.block_tables)
+        table = torch.zeros(n, width, dtype=torch.int32)
+        for i, blocks in enumerate(inputs.block_tables):
+            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self.block_tables[:n, :width].copy_(table.to(dev, non_blocking=True))
+        if case:
+            slots = self.runner.punica.token_slots
+            slots[:n].copy_(torch.tensor(inputs.token_lora_slots, dtype=torch.int32),
+                            non_blocking=True)
+            slots[n:bs].fill_(-1)
+        graph, logits = self.graphs[(bs, case)]
+        graph.replay()
+        return logits[:n]
