@@ -16,16 +16,24 @@ API
   into B upstream).
 
 How it runs: tokens are grouped by slot (``LoRAMetadata``, one sort per step),
-then two launches per call:
+then two launches per call (per group of up to 3 slices):
 
 1. shrink: for each (slot, tile of up to BLOCK_M tokens, K split, slice),
-   ``x_tile @ A[slot].T`` in fp32 into a workspace of split-K partials;
-2. expand: for each (slot, token tile, BLOCK_N columns of y), sum the
-   partials, cast to the weight dtype, multiply by ``B[slot].T`` and add to y.
+   ``x_tile @ A[slot].T`` in fp32. With split-K each split writes a partial;
+   the last split to arrive (an atomic counter per tile and slice, reset by
+   that program) sums them in a fixed order, so results are deterministic;
+2. expand: for each (slot, token tile, BLOCK_N columns of y), read the fp32
+   shrink, round it once to the weight dtype, multiply by ``B[slot].T`` and
+   add to y (fp32 add, one rounding).
 
 Each tile reads its adapter's A/B once, so decode batches (one token per
 request) and prefill batches share one code path; split-K gives decode enough
-programs to use the whole GPU.
+programs to use the whole GPU. A one-launch variant (``_lora_fused_kernel``:
+each program redoes its tile's shrink) exists for small batches; the tuning
+table turns it on per shape class where it wins (on an H200 it never did).
+
+Launch configs come from ``lora_config`` (a tuned JSON per GPU in
+``kernels/configs/``, else heuristics).
 
 CUDA graphs
 -----------
@@ -39,6 +47,9 @@ tiles exit at once. The op allocates nothing when given a metadata object:
 
 ``meta.update`` uses only static-shape torch ops (sort, searchsorted), so it
 can run eagerly before ``graph.replay()`` or be captured in the graph itself.
+Keep the same ``meta`` object (same buffers) for a captured graph; the op
+reads T from ``x`` and checks it against the last ``update``. One ``meta`` per
+stream: the workspace and split-K counters are reused by every call.
 The fp32 workspace lives in ``meta`` and grows on the first (eager) call that
 needs more; run one warm-up step over every layer shape before capturing (as
 torch requires anyway), or pass ``workspace_numel`` (see ``workspace_numel``)
