@@ -36,7 +36,8 @@ _ITL_BUCKETS = (
 class ServerMetrics:
     """The metrics of one served model."""
 
-    def __init__(self, model_name: str, max_loras: int) -> None:
+    def __init__(self, model_name: str, max_loras: int | None) -> None:
+        """max_loras None: LoRA is off, and the LoRA metrics are not exported."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.max_loras = max_loras
@@ -93,6 +94,12 @@ class ServerMetrics:
             "Histogram of end-to-end request latency in seconds.",
             labels, buckets=_LATENCY_BUCKETS, registry=reg,
         ).labels(model_name)
+        self._resident: set[tuple[str, str]] = set()
+        self._preemptions_seen = 0
+        self.lora_info: Gauge | None = None
+        self.lora_resident: Gauge | None = None
+        if max_loras is None:
+            return
         # The value is the time of the update, so a LoRA-aware router takes the
         # series with the largest value as the current state.
         self.lora_info = Gauge(
@@ -107,8 +114,6 @@ class ServerMetrics:
             "CPU cache).",
             ["adapter", "level"], registry=reg,
         )
-        self._resident: set[tuple[str, str]] = set()
-        self._preemptions_seen = 0
 
     def record_stats(self, stats: SchedulerStats) -> None:
         """Take in the scheduler stats that came with one engine step."""
@@ -118,6 +123,10 @@ class ServerMetrics:
         if stats.num_preemptions > self._preemptions_seen:
             self.num_preemptions.inc(stats.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = max(self._preemptions_seen, stats.num_preemptions)
+        if self.lora_info is not None:
+            self._record_lora(stats)
+
+    def _record_lora(self, stats: SchedulerStats) -> None:
         self.lora_info.labels(
             max_lora=str(self.max_loras),
             waiting_lora_adapters=",".join(stats.waiting_lora_adapters),

@@ -92,3 +92,11 @@ def test_grafana_dashboard_uses_only_real_metrics():
     metrics.record_finished(["stop"], 0.1)
     exposed = {s.name for f in families(metrics).values() for s in f.samples}
     assert used and used <= exposed, used - exposed
+
+
+def test_lora_metrics_only_with_lora():
+    metrics = ServerMetrics("m", max_loras=None)
+    metrics.record_stats(SchedulerStats(num_running=1))
+    names = set(families(metrics))
+    assert "loraserve:num_requests_running" in names
+    assert not {n for n in names if "lora" in n.split(":", 1)[1]}

@@ -250,7 +250,9 @@ def bind_socket(host: str | None, port: int) -> socket.socket:
 async def serve(settings: ServerSettings, tokenizer: Any) -> int:
     """Run the server until a signal or the engine's death; returns the exit code."""
     sock = bind_socket(settings.host, settings.port)
-    metrics = ServerMetrics(settings.served_model_names[0], settings.max_loras)
+    lora_enabled = bool(settings.engine_kwargs.get("enable_lora"))
+    metrics = ServerMetrics(settings.served_model_names[0],
+                            settings.max_loras if lora_enabled else None)
     engine = AsyncEngineClient(tokenizer, settings.eos_token_id, metrics)
     exit_code = 0
     loop = asyncio.get_running_loop()
