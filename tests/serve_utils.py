@@ -76,7 +76,8 @@ class ServerProcess:
     """One `loraserve serve` subprocess on 127.0.0.1 and a free port."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None,
-                 api_key: str | None = None, new_session: bool = False) -> None:
+                 api_key: str | None = None, new_session: bool = False,
+                 cwd: str | None = None) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
@@ -92,7 +93,7 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(
             cmd, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=new_session,
+            stdin=subprocess.DEVNULL, start_new_session=new_session, cwd=cwd,
         )
         self._all_pids: set[int] = set()
         self._wait_healthy()

@@ -17,10 +17,12 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.mark.skipif(not (ADAPTER / "adapter_config.json").is_file(),
                     reason="the demo adapter (examples/adapters/pirate) is not built")
 def test_quickstart_chat_through_the_demo_adapter():
-    server = ServerProcess([
-        "smollm2-135m-instruct", "--enable-lora", "--lora-modules", f"pirate={ADAPTER}",
-        "--max-model-len", "2048",
-    ])
+    # The README's command, run from the repository root.
+    server = ServerProcess(
+        ["smollm2-135m-instruct", "--enable-lora",
+         "--lora-modules", "pirate=examples/adapters/pirate"],
+        cwd=str(ROOT),
+    )
     try:
         client = server.openai()
         assert {m.id for m in client.models.list().data} == {"smollm2-135m-instruct", "pirate"}
