@@ -37,8 +37,6 @@ LLAMA3_8B = {
     "max_position_embeddings": 8192,
     "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     "hidden_act": "silu",
     "tie_word_embeddings": False,
     "bos_token_id": 128000,
@@ -73,15 +71,17 @@ def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
 def write_adapter(path: Path, rank: int, num_layers: int, seed: int) -> None:
     """The files PEFT writes for a LoRA over all seven projections."""
     path.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
+    # Drawn on the GPU when there is one: 32 adapters of 44M numbers each.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device).manual_seed(seed)
     tensors = {}
     for layer in range(num_layers):
         for name, (k, n) in PROJECTIONS.items():
             prefix = f"base_model.model.model.layers.{layer}.{name}"
-            tensors[f"{prefix}.lora_A.weight"] = (
-                torch.randn(rank, k, generator=gen) / k**0.5).to(torch.bfloat16)
-            tensors[f"{prefix}.lora_B.weight"] = (
-                torch.randn(n, rank, generator=gen) * 0.01).to(torch.bfloat16)
+            a = torch.randn(rank, k, generator=gen, device=device) / k**0.5
+            b = torch.randn(n, rank, generator=gen, device=device) * 0.01
+            tensors[f"{prefix}.lora_A.weight"] = a.to(torch.bfloat16).cpu()
+            tensors[f"{prefix}.lora_B.weight"] = b.to(torch.bfloat16).cpu()
     save_file(tensors, str(path / "adapter_model.safetensors"))
     config = {
         "peft_type": "LORA",

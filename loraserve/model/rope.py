@@ -50,7 +50,7 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(f"rope_type {rope_type!r} is not supported")
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
         positions = torch.arange(max_model_len, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq.float())
+        freqs = torch.outer(positions, inv_freq.float().to(positions.device))
         emb = torch.cat((freqs, freqs), dim=-1)
         self.rotary_dim = dim
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
