@@ -122,3 +122,27 @@ def test_api_server_death_stops_the_engine(llama_dir):
         assert wait_until(server.all_gone, 5)
     finally:
         server.kill()
+
+
+def test_sigterm_while_the_model_loads(llama_dir):
+    import subprocess
+
+    from serve_utils import descendants, free_port, serve_command
+
+    proc = subprocess.Popen(
+        serve_command() + [llama_dir, "--host", "127.0.0.1", "--port", str(free_port())],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+    )
+    try:
+        # As soon as the engine process exists, before it is ready.
+        assert wait_until(lambda: descendants(proc.pid), 60, 0.01)
+        pids = descendants(proc.pid)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+        assert time.monotonic() - start < 5
+        assert wait_until(lambda: not any(alive(p) for p in pids), 5)
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

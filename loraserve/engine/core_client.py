@@ -164,18 +164,20 @@ class AsyncEngineClient:
         if self._shutting_down:
             return
         self._shutting_down = True
-        if self._proc is not None and self._proc.is_alive():
+        if self._proc is not None and self._proc.is_alive() and self.ready_info is not None:
             try:
                 self._send(InputKind.SHUTDOWN)
             except EngineDeadError:
                 pass  # already on its way out; the joins below wait for it
             await asyncio.to_thread(self._proc.join, timeout_s)
-            if self._proc.is_alive():
-                self._proc.terminate()
-                await asyncio.to_thread(self._proc.join, 2.0)
-            if self._proc.is_alive():
-                self._proc.kill()
-                await asyncio.to_thread(self._proc.join, 2.0)
+        if self._proc is not None and self._proc.is_alive():
+            # Still starting (it reads no messages yet) or not listening: SIGTERM,
+            # which its handler turns into a clean exit.
+            self._proc.terminate()
+            await asyncio.to_thread(self._proc.join, 2.0)
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            await asyncio.to_thread(self._proc.join, 2.0)
         if self._proc is not None:
             try:
                 asyncio.get_running_loop().remove_reader(self._proc.sentinel)
