@@ -124,7 +124,15 @@ class OpenAIServingChat:
             return self._stream(request, request_id, model_name, len(ids), stream, token_text)
         return await self._full(request, request_id, model_name, len(ids), stream, token_text)
 
-    async def _full(self, request, request_id, model_name, prompt_len, stream, token_text):
+    async def _full(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        model_name: str,
+        prompt_len: int,
+        stream: AsyncIterator[Any],
+        token_text: TokenText,
+    ) -> ChatCompletionResponse:
         final = None
         try:
             async for output in stream:
@@ -158,7 +166,15 @@ class OpenAIServingChat:
             ),
         )
 
-    async def _stream(self, request, request_id, model_name, prompt_len, stream, token_text):
+    async def _stream(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        model_name: str,
+        prompt_len: int,
+        stream: AsyncIterator[Any],
+        token_text: TokenText,
+    ) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
 

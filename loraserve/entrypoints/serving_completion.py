@@ -108,7 +108,15 @@ class OpenAIServingCompletion:
             return self._stream(request, request_id, model_name, prompts, streams, token_text)
         return await self._full(request, request_id, model_name, prompts, streams, token_text)
 
-    async def _full(self, request, request_id, model_name, prompts, streams, token_text):
+    async def _full(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        model_name: str,
+        prompts: list[tuple[str | None, list[int]]],
+        streams: list[AsyncIterator[Any]],
+        token_text: TokenText,
+    ) -> CompletionResponse:
         finals: dict[int, Any] = {}
         try:
             async for index, output in merge_streams(streams):
@@ -148,7 +156,15 @@ class OpenAIServingCompletion:
             ),
         )
 
-    async def _stream(self, request, request_id, model_name, prompts, streams, token_text):
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        model_name: str,
+        prompts: list[tuple[str | None, list[int]]],
+        streams: list[AsyncIterator[Any]],
+        token_text: TokenText,
+    ) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         offsets: dict[int, int] = {}
