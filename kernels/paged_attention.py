@@ -64,7 +64,7 @@ import triton.language as tl
 # Split-KV partials are kept for at most this many (token, split) pairs, which
 # bounds the workspace; batches that big fill the GPU without splitting anyway.
 MAX_SPLIT_ROWS = 512
-MAX_SPLITS = 64
+MAX_SPLITS = 32
 # Sequences scanned per step when a tile looks up its sequence.
 _SEARCH_BLOCK = 128
 _LOG2E = 1.4426950408889634
@@ -111,6 +111,75 @@ def _write_kv_kernel(
 
 
 @triton.jit
+def _attend(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    lo,
+    hi,
+    bt_row,
+    kc_ptr,
+    vc_ptr,
+    kv_off,
+    d,
+    d_ok,
+    qk_scale,
+    window,
+    stride_cb,
+    stride_cs,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Online softmax over keys [lo, hi); unmasked ranges hold whole BLOCK_N tiles only."""
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        if MASKED:
+            k_ok = kpos < hi
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE).to(tl.int64)
+        off = blk * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + kv_off
+        k_ptrs = kc_ptr + off[None, :] + d[:, None]
+        v_ptrs = vc_ptr + off[:, None] + d[None, :]
+        if MASKED:
+            k_t = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        elif EVEN_D:
+            k_t = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k_t = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, k_t, input_precision="ieee")
+        else:
+            s = tl.dot(q, k_t)
+        s = s * qk_scale
+        if MASKED:
+            keep = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                keep = keep & (kpos[None, :] > q_pos[:, None] - window)
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attn_kernel(
     q_ptr,
     kc_ptr,
@@ -148,6 +217,7 @@ def _attn_kernel(
     ONE_TILE_PER_SEQ: tl.constexpr,
     SPLIT: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    EVEN_D: tl.constexpr,
     IEEE: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
 ):
@@ -194,48 +264,45 @@ def _attn_kernel(
 
     # Keys this tile can see: up to its last query, from the window's start.
     kv_hi = ctx_len + tl.minimum(q_len, q_tile_start + BLOCK_Q)
-    kv_lo = 0
+    kv_lo = ctx_len * 0
     if USE_WINDOW:
         kv_lo = tl.maximum(ctx_len + q_tile_start - window + 1, 0)
+
+    # Keys every row of the tile may see need no mask; only the diagonal (and
+    # the window's edge) do, so split the range into masked / unmasked parts.
+    full_lo = kv_lo
+    if USE_WINDOW:
+        full_lo = tl.maximum(kv_hi - window, 0)
+    full_hi = ctx_len + q_tile_start + 1
     if SPLIT:
         chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
         kv_lo = kv_lo + split * chunk
         kv_hi = tl.minimum(kv_hi, kv_lo + chunk)
+    f_lo = tl.maximum(full_lo, kv_lo)
+    n_full = tl.maximum(tl.minimum(full_hi, kv_hi) - f_lo, 0) // BLOCK_N
+    f_lo = tl.where(n_full > 0, f_lo, kv_hi)
+    f_end = tl.where(n_full > 0, f_lo + n_full * BLOCK_N, kv_hi)
 
     m_i = tl.full([BLOCK_M], _NEG_START, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], dtype=tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        k_ok = kpos < kv_hi
-        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        off = blk * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-        k_t = tl.load(
-            kc_ptr + off[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0
-        )
-        if IEEE:
-            s = tl.dot(q, k_t, input_precision="ieee")
-        else:
-            s = tl.dot(q, k_t)
-        s = s * qk_scale
-        keep = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            keep = keep & (kpos[None, :] > q_pos[:, None] - window)
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            vc_ptr + off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0
-        )
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    kv_off = kvh * stride_ch
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, q_pos, kv_lo, f_lo, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
+        qk_scale, window, stride_cb, stride_cs,
+        BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, q_pos, f_lo, f_end, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
+        qk_scale, window, stride_cb, stride_cs,
+        BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, EVEN_D, IEEE,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, q_pos, f_end, kv_hi, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
+        qk_scale, window, stride_cb, stride_cs,
+        BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
+    )  # fmt: skip
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -305,20 +372,39 @@ def _next_pow2(x: int) -> int:
 
 
 def pick_config(
-    max_query_len: int, group: int, head_dim: int, dtype: torch.dtype
+    max_query_len: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    crowded: bool = False,
 ) -> AttentionConfig:
-    """Default tiling for a batch whose longest query is ``max_query_len`` tokens."""
+    """Default tiling for a batch whose longest query is ``max_query_len`` tokens.
+
+    ``crowded``: the batch has at least 8 (sequence, KV head) pairs per SM.
+    The choices are the best of a sweep on an H200 (benchmarks/RESULTS.md).
+    """
     group_p2 = _next_pow2(group)
     d_p2 = max(16, _next_pow2(head_dim))
     wide = d_p2 > 128 or dtype == torch.float32
     if max_query_len * group_p2 <= 16:
-        # Decode (and short speculative queries): one tile per sequence, reads
-        # dominate, so small row tiles and several K/V stages in flight.
-        return AttentionConfig(_next_pow2(max_query_len), 32 if wide else 64, 4, 3)
+        # Decode (and short speculative queries): one tile per sequence and
+        # reads dominate. Only a GPU crowded with programs gains from longer
+        # key tiles and a deeper pipeline; otherwise they lose occupancy.
+        block_q = _next_pow2(max_query_len)
+        if wide:
+            return AttentionConfig(block_q, 32, 4, 3)
+        return (
+            AttentionConfig(block_q, 128, 4, 3) if crowded else AttentionConfig(block_q, 64, 4, 2)
+        )
     if max_query_len * group_p2 <= 64:
         return AttentionConfig(max(1, 64 // group_p2), 32 if wide else 64, 4, 2)
-    rows = 64 if wide else 128
-    return AttentionConfig(max(1, rows // group_p2), 32 if wide else 64, 4 if wide else 8, 2)
+    if wide:
+        return AttentionConfig(max(1, 64 // group_p2), 32, 4, 2)
+    return AttentionConfig(max(1, 128 // group_p2), 64, 8, 3)
+
+
+def _crowded(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
+    return num_seqs * num_kv_heads >= 8 * _num_sms(torch.device(device))
 
 
 @functools.lru_cache(maxsize=8)
@@ -341,11 +427,12 @@ def choose_num_splits(
 ) -> int:
     """Split-KV factor from host sizes only (the same for every replay of a graph)."""
     mql = num_tokens if max_query_len is None else max(1, min(max_query_len, num_tokens))
-    cfg = pick_config(mql, group, head_dim, dtype)
+    cfg = pick_config(mql, group, head_dim, dtype, _crowded(num_seqs, num_kv_heads, device))
     tiles = num_seqs if mql <= cfg.block_q else max(num_seqs, num_tokens // cfg.block_q)
     work = max(1, tiles * num_kv_heads)
-    # About four resident programs per SM keep enough K/V loads in flight.
-    target = 4 * _num_sms(torch.device(device))
+    # About two programs per SM: more splits cost more in the merge than they
+    # gain in loads in flight (measured on an H200, benchmarks/RESULTS.md).
+    target = 2 * _num_sms(torch.device(device))
     splits = min(MAX_SPLITS, triton.cdiv(target, work), MAX_SPLIT_ROWS // max(1, num_tokens))
     return max(1, splits)
 
@@ -425,7 +512,9 @@ def paged_attention(
         return out
     group = num_q_heads // num_kv_heads
     mql = num_tokens if max_query_len is None else max(1, min(max_query_len, num_tokens))
-    cfg = config or pick_config(mql, group, head_dim, q.dtype)
+    cfg = config or pick_config(
+        mql, group, head_dim, q.dtype, _crowded(num_seqs, num_kv_heads, q.device)
+    )
     if num_splits is None:
         num_splits = choose_num_splits(
             num_tokens, num_seqs, num_kv_heads, mql, group, head_dim, q.dtype, q.device
@@ -486,6 +575,7 @@ def paged_attention(
         ONE_TILE_PER_SEQ=one_tile,
         SPLIT=split,
         USE_WINDOW=sliding_window is not None,
+        EVEN_D=head_dim == max(16, _next_pow2(head_dim)),
         IEEE=q.dtype == torch.float32,
         SEARCH_BLOCK=_SEARCH_BLOCK,
         num_warps=cfg.num_warps,

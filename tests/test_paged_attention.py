@@ -76,9 +76,11 @@ def test_decode_split_kv(block_size):
     b = make_batch(DECODE, 8, 2, 32, block_size, seed=2)
     check(b, max_query_len=1, num_splits=1)
     check(b, max_query_len=1, num_splits=4)
-    # Default choice (with the interpreter's small SM count it splits).
-    assert pa.choose_num_splits(5, 5, 2, 1, 4, 32, torch.float32, torch.device("cpu")) > 1
     check(b, max_query_len=1)
+    # Default choice for one sequence (the interpreter counts 4 SMs, so it splits).
+    assert pa.choose_num_splits(1, 1, 2, 1, 4, 32, torch.float32, torch.device("cpu")) > 1
+    one = make_batch(DECODE[1:2], 8, 2, 32, block_size, seed=3)
+    check(one, max_query_len=1)
 
 
 def test_sliding_window():
@@ -135,3 +137,20 @@ def test_workspace_checks():
     check(b, max_query_len=1, num_splits=8, workspace=ws)
     with pytest.raises(ValueError):
         run_kernel(b, 0.25, None, num_splits=8, workspace=ws[:10])
+
+
+def test_window_wider_than_key_tile():
+    # Small key tiles so that the unmasked middle of the window is several tiles.
+    cfg = pa.AttentionConfig(block_q=4, block_n=16, num_warps=4, num_stages=1)
+    b = make_batch([(60, 1), (50, 9), (0, 40), (33, 1)], 4, 2, 16, 4, seed=10)
+    check(b, window=37, config=cfg)
+    check(b, config=cfg)
+    check(b, window=37, config=cfg, num_splits=3)
+
+
+def test_long_key_tiles_of_crowded_decode():
+    # The tiling the default picks for big decode batches in bf16 (128 keys a step).
+    cfg = pa.AttentionConfig(block_q=1, block_n=128, num_warps=4, num_stages=3)
+    b = make_batch([(300, 1), (129, 1), (5, 1), (255, 1)], 8, 2, 16, 16, seed=11)
+    check(b, max_query_len=1, config=cfg, num_splits=1)
+    check(b, max_query_len=1, config=cfg, num_splits=2)
