@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,7 +153,11 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     model.tie_weights()
     model.generation_config = gguf_model.generation_config
 
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    # Unique under the lock; mkdir (unlike mkdtemp) honours the umask, so a shared
+    # cache stays readable by others.
+    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir()
     try:
         model.save_pretrained(tmp_dir, safe_serialization=True)
         tokenizer.save_pretrained(tmp_dir)
