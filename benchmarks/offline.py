@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import platform
 import random
 import sys
@@ -65,6 +66,7 @@ def main() -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     max_loras = args.max_loras or args.num_adapters
     llm = LLM(args.model, load_format=args.load_format, enable_lora=args.adapters is not None,
@@ -76,7 +78,13 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 
     results = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-               "machine": machine(), "base": run(llm, prompts, params, None)}
+               "machine": machine()}
+    graphs = llm.engine.runner.graphs
+    if graphs is not None:
+        results["graph_capture"] = {"seconds": graphs.capture_seconds,
+                                    "bytes": graphs.capture_bytes, "graphs": len(graphs.graphs)}
+    results["base"] = run(llm, prompts, params, None)
+    print(json.dumps(results["base"]), flush=True)
     if args.adapters is not None:
         names = sorted(d.name for d in args.adapters.iterdir() if d.is_dir())
         names = names[: args.num_adapters]

@@ -69,7 +69,7 @@ def test_every_step_respects_max_loras():
     for i in range(40):
         sched.add_request(_req(f"r{i}", names[(i * 5) % len(names)]))
     ready = set(names) - {None}
-    for step in range(200):
+    for _ in range(200):
         out = sched.schedule(ready)
         assert len({r.lora_name for r, _ in out.scheduled} - {None}) <= 3
         assert len(sched.running_loras()) <= 3

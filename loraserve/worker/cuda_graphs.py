@@ -79,7 +79,10 @@ class DecodeGraphs:
     def capture(self) -> None:
         dev = self.runner.device
         torch.cuda.synchronize(dev)
-        free_before = torch.cuda.mem_get_info(dev)[0]
+        # torch.cuda.graph empties the allocator cache on entry; do it first so the
+        # growth of reserved memory is what the graph pools take.
+        torch.cuda.empty_cache()
+        reserved_before = torch.cuda.memory_reserved(dev)
         start = time.perf_counter()
         self.runner.punica.token_slots.fill_(-1)
         for bs in reversed(self.sizes):
@@ -93,7 +96,8 @@ class DecodeGraphs:
                 self.graphs[(bs, case)] = (graph, logits)
         torch.cuda.synchronize(dev)
         self.capture_seconds = time.perf_counter() - start
-        self.capture_bytes = free_before - torch.cuda.mem_get_info(dev)[0]
+        # Graph pools live in the caching allocator: its growth is the graphs' cost.
+        self.capture_bytes = torch.cuda.memory_reserved(dev) - reserved_before
         logger.info(
             "captured %d CUDA graphs (%d sizes x %d LoRA cases) in %.1f s using %.2f GiB",
             len(self.graphs), len(self.sizes), len(self.cases), self.capture_seconds,

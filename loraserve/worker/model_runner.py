@@ -113,7 +113,9 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         n = self.max_num_tokens
-        num_seqs = min(self.config.scheduler_config.max_num_seqs, n)
+        # As many sequences as a step may hold, none longer than max_model_len.
+        max_len = self.config.model_config.max_model_len
+        num_seqs = min(n, max(self.config.scheduler_config.max_num_seqs, -(-n // max_len)))
         per_seq = [n // num_seqs + (1 if i < n % num_seqs else 0) for i in range(num_seqs)]
         qsl = [0]
         for count in per_seq:
@@ -127,8 +129,11 @@ class ModelRunner:
         )
         hidden = self._forward_eager(inputs)
         self.model.compute_logits(hidden[: num_seqs])
+        del hidden
         torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device)
+        # Only the transient part: what stays allocated is already off the free memory.
+        return torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(
+            self.device)
 
     def _decide_num_blocks(self, peak_bytes: int) -> int:
         cc = self.config.cache_config
@@ -143,16 +148,19 @@ class ModelRunner:
             return max(1, cc.kv_cache_memory_bytes // per_block)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            # Memory other processes hold counts against our share too.
-            others = total - free - torch.cuda.memory_reserved(self.device)
-            budget = int(total * cc.gpu_memory_utilization) - others - peak_bytes
+            # Everything in use now (weights, LoRA slots, other processes) plus the
+            # activation peak of the largest step must fit in our share.
+            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(
+                self.device)
+            in_use = total - free - cached
+            budget = int(total * cc.gpu_memory_utilization) - in_use - peak_bytes
             blocks = budget // per_block
             if blocks < 1:
                 raise RuntimeError(
-                    f"no memory left for the KV cache: the model and activations take "
-                    f"{peak_bytes / 2**30:.1f} GiB of a {cc.gpu_memory_utilization:.2f} share "
-                    f"of {total / 2**30:.1f} GiB; raise --gpu-memory-utilization or lower "
-                    "--max-num-batched-tokens"
+                    f"no memory left for the KV cache: {in_use / 2**30:.1f} GiB in use and "
+                    f"{peak_bytes / 2**30:.1f} GiB of activations exceed a "
+                    f"{cc.gpu_memory_utilization:.2f} share of {total / 2**30:.1f} GiB; raise "
+                    "--gpu-memory-utilization or lower --max-num-batched-tokens"
                 )
             logger.info("KV cache: %d blocks (%.1f GiB)", blocks, blocks * per_block / 2**30)
             return blocks
