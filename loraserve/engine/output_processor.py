@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from loraserve.engine.detokenizer import IncrementalDetokenizer
 from loraserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams
@@ -63,6 +64,7 @@ class _ChildState:
         self.params = params
         self.stops = params.stop_strings
         self.sent_chars = 0  # text already handed out as deltas
+        self.detokenizer: IncrementalDetokenizer | None = None
 
 
 class _ParentState:
@@ -101,6 +103,9 @@ class OutputProcessor:
                 seed = None if params.seed is None else params.seed + i
                 child_params = msgspec.structs.replace(params, n=1, seed=seed)
             child = _ChildState(parent, i, child_params)
+            child.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, child_params.skip_special_tokens
+            )
             parent.children.append(child)
             parent.output.outputs.append(child.out)
             self._children[child_id] = child
@@ -165,9 +170,7 @@ class OutputProcessor:
             out.delta_logprobs = delta
             out.cumulative_logprob += sum(entry[0][1] for entry in eco.new_logprobs)
 
-        text = self.tokenizer.decode(
-            out.token_ids, skip_special_tokens=child.params.skip_special_tokens
-        )
+        text = child.detokenizer.add(eco.new_token_ids, final=eco.finish_reason is not None)
         stopped_by_string = False
         if eco.finish_reason != FinishReason.ERROR:
             hit = _find_stop(text, child.stops, len(out.text))
