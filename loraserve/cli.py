@@ -140,6 +140,11 @@ def _add_serve_parser(subparsers: Any) -> None:
     engine.add_argument(
         "--enforce-eager", action="store_true", help="Never use CUDA graphs."
     )
+    engine.add_argument(
+        "--specialize-active-lora", action="store_true",
+        help="Also capture CUDA graphs without the LoRA ops, for steps that use no adapter "
+        "(by default one graph set serves both).",
+    )
     engine.add_argument("--seed", type=int, default=0, help="Random seed (default: 0).")
     engine.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"],
@@ -201,6 +206,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "block_size": args.block_size,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "enforce_eager": args.enforce_eager,
+        "specialize_active_lora": args.specialize_active_lora or None,
         "load_format": args.load_format,
         "enable_lora": args.enable_lora,
         "max_loras": args.max_loras,

@@ -82,8 +82,14 @@ def test_engine_death_answers_503_and_sigterm_still_stops(llama_dir):
 
         thread = threading.Thread(target=in_flight, daemon=True)
         thread.start()
-        time.sleep(0.5)
-        os.kill(engine, signal.SIGKILL)
+        # A stream sent just after it shows when the engine is decoding both: kill
+        # then, long before 400 tokens are done (a fixed sleep races a fast engine).
+        time.sleep(0.05)
+        with httpx.stream("POST", server.url + "/v1/completions",
+                          json={"model": "base", "stream": True, **LONG},
+                          timeout=30) as stream:
+            next(stream.iter_lines())
+            os.kill(engine, signal.SIGKILL)
         thread.join(timeout=20)
         # The request that was running when the engine died is answered, with 503.
         assert result["response"].status_code == 503

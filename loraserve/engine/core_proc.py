@@ -40,7 +40,9 @@ from loraserve.engine.utility import (
 from loraserve.lora.request import LoRARequest
 
 # Only these EngineCore methods may be called from the front end.
-UTILITY_METHODS = frozenset({"add_lora", "remove_lora", "list_loras", "get_stats", "pin_lora"})
+UTILITY_METHODS = frozenset(
+    {"add_lora", "remove_lora", "list_loras", "get_stats", "pin_lora", "lora_memory_usage"}
+)
 # Test-only: "name=seconds,..." slows the disk load of those adapters, to show that a
 # slow load does not stall other requests.
 ENV_TEST_LOAD_DELAY = "LORASERVE_TEST_LORA_LOAD_DELAY"
@@ -61,19 +63,6 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
     except (OSError, AttributeError):
         pass  # not Linux: the parent-pid check in the loop still catches it
-
-
-def lora_memory_usage(core: Any) -> dict[str, int]:
-    """Bytes of adapter weights the engine holds in its CPU cache, per adapter.
-
-    Device slots are fixed buffers sized at start-up; an unloaded adapter's slot is
-    zeroed and reused, so the CPU cache is where an unload gives memory back.
-    """
-    manager = getattr(core, "lora_manager", None)
-    if manager is None:
-        return {}
-    cache = manager.cpu_cache
-    return {name: cache.peek(name).nbytes() for name in cache.keys()}
 
 
 def _install_test_load_delay(core: Any) -> None:
@@ -142,13 +131,8 @@ class RuntimeLoRALoader:
             item = self.pending.pop(0)
             result = UtilityResult(call_id=item.call.call_id)
             try:
-                loaded = item.future.result()
-                disk_load = self.manager.load
-                self.manager.load = lambda _request, loaded=loaded: loaded
-                try:
-                    self.core.add_lora(item.lora_request, item.pinned)
-                finally:
-                    self.manager.load = disk_load
+                self.core.add_lora(item.lora_request, item.pinned,
+                                   loaded=item.future.result())
             except Exception as exc:  # noqa: BLE001 - reported back to the caller
                 result.error_type = type(exc).__name__
                 result.error = str(exc) or type(exc).__name__
@@ -249,9 +233,7 @@ class EngineCoreProc:
         result = UtilityResult(call_id=call.call_id)
         try:
             args = list(call.args)
-            if call.method == "lora_memory_usage":
-                result.result = lora_memory_usage(self.core)
-            elif call.method in UTILITY_METHODS and hasattr(self.core, call.method):
+            if call.method in UTILITY_METHODS and hasattr(self.core, call.method):
                 if call.method == "add_lora":
                     args[0] = msgspec.convert(args[0], LoRARequest)
                 result.result = getattr(self.core, call.method)(*args)

@@ -19,6 +19,7 @@ from loraserve.engine.protocol import (
 )
 from loraserve.engine.request import Request
 from loraserve.engine.scheduler import Scheduler, SchedulerOutput
+from loraserve.lora.peft_adapter import LoRAModel
 from loraserve.lora.request import LoRARequest
 from loraserve.worker.input_batch import SeqInput, StepInput
 from loraserve.worker.model_runner import ModelRunner
@@ -97,12 +98,14 @@ class EngineCore:
             raise ValueError("LoRA is not enabled; start with enable_lora (--enable-lora)")
         return self.lora_manager
 
-    def add_lora(self, lora_request: LoRARequest, pinned: bool = False) -> None:
-        """Load now (raises LoRAError), cache it and give it a device slot if one is
-        free or held by an adapter no running request uses."""
+    def add_lora(self, lora_request: LoRARequest, pinned: bool = False,
+                 loaded: LoRAModel | None = None) -> None:
+        """Load now (raises LoRAError) unless `loaded` holds the adapter already read
+        off the loop thread, cache it and give it a device slot if one is free or
+        held by an adapter no running request uses."""
         manager = self._require_lora()
         busy = self.scheduler.running_loras()
-        manager.add(lora_request, pinned=pinned)
+        manager.add(lora_request, pinned=pinned, loaded=loaded)
         try:
             manager.activate(lora_request.lora_name, protected=busy)
         except RuntimeError:
@@ -117,6 +120,9 @@ class EngineCore:
 
     def pin_lora(self, lora_name: str) -> None:
         self._require_lora().pin(lora_name)
+
+    def lora_memory_usage(self) -> dict[str, int]:
+        return self.lora_manager.memory_usage() if self.lora_manager else {}
 
     def list_loras(self) -> list[str]:
         return self.lora_manager.cpu_names() if self.lora_manager else []

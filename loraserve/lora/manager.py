@@ -85,9 +85,11 @@ class LoRAManager:
         except Exception as e:  # corrupt files and the like: still the adapter's fault
             raise LoRAError(lora_request.lora_name, f"{type(e).__name__}: {e}") from e
 
-    def add(self, lora_request: LoRARequest, pinned: bool = False) -> LoRAModel:
-        """Load synchronously (load before evict), put into the CPU cache."""
-        lora = self.load(lora_request)
+    def add(self, lora_request: LoRARequest, pinned: bool = False,
+            loaded: LoRAModel | None = None) -> LoRAModel:
+        """Load (unless `loaded` was read elsewhere already) before evicting anything,
+        then put into the CPU cache."""
+        lora = loaded if loaded is not None else self.load(lora_request)
         self.insert(lora)
         if pinned:
             self.cpu_cache.pin(lora.name)
@@ -189,6 +191,11 @@ class LoRAManager:
         with torch.no_grad():
             for path, wrapper in self.wrappers.items():
                 wrapper.set_slot(slot, lora.modules.get(path) if lora is not None else None)
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes of adapter weights in the CPU cache, per adapter. Device slots are
+        fixed buffers; an unloaded adapter's slot is zeroed and reused."""
+        return {name: self.cpu_cache.peek(name).nbytes() for name in self.cpu_cache.keys()}
 
     def cpu_names(self) -> list[str]:
         return self.cpu_cache.keys()
