@@ -1,0 +1,75 @@
+"""Start-up cost of LoRA: engine start, CUDA graph capture time and graph memory,
+for the base model and with LoRA on, each in a fresh process.
+
+    python benchmarks/startup.py --model /tmp/bench/llama3-8b-shape --load-format dummy \
+        --max-loras 8 --max-num-seqs 256 --json startup.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def measure(kwargs: dict, queue) -> None:
+    # An empty Triton cache for each engine, so both pay their own kernel compiles.
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cache-")
+    from loraserve.config import EngineConfig
+    from loraserve.engine.engine_core import EngineCore
+
+    start = time.perf_counter()
+    core = EngineCore(EngineConfig.from_kwargs(**kwargs))
+    graphs = core.runner.graphs
+    queue.put({
+        "engine_start_s": time.perf_counter() - start,
+        "graphs": len(graphs.graphs) if graphs else 0,
+        "capture_s": graphs.capture_seconds if graphs else None,
+        "capture_bytes": graphs.capture_bytes if graphs else None,
+        "kv_blocks": core.kv.num_blocks,
+    })
+
+
+def run_fresh(kwargs: dict) -> dict:
+    # A process per engine: each measures its own memory and compiles from scratch.
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=measure, args=(kwargs, queue))
+    proc.start()
+    result = queue.get(timeout=1800)
+    proc.join()
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", required=True)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--specialize-active-lora", action="store_true")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    common = {"model": args.model, "load_format": args.load_format,
+              "max_num_seqs": args.max_num_seqs}
+    lora = run_fresh({**common, "enable_lora": True, "max_loras": args.max_loras,
+                      "max_lora_rank": args.max_lora_rank,
+                      "specialize_active_lora": args.specialize_active_lora})
+    base = run_fresh(common)
+    results = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
+               "base": base, "lora": lora}
+    if base["capture_s"]:
+        results["capture_lora_over_base"] = lora["capture_s"] / base["capture_s"]
+    print(json.dumps(results, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
