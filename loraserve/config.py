@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -75,7 +75,8 @@ class EngineConfig:
     lora_config: LoRAConfig | None
     device: torch.device
     enforce_eager: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    # CUDA graphs: also capture a no-LoRA set (see worker/cuda_graphs.py).
+    specialize_active_lora: bool = False
 
     @classmethod
     def from_kwargs(
@@ -190,7 +191,7 @@ class EngineConfig:
             lora_config=lora_config,
             device=dev,
             enforce_eager=enforce_eager,
-            extra={"specialize_active_lora": specialize_active_lora},
+            specialize_active_lora=specialize_active_lora,
         )
 
     def replace(self, **changes: Any) -> EngineConfig:

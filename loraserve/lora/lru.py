@@ -27,6 +27,9 @@ class LRUCache(Generic[V]):
         """Oldest first."""
         return list(self._items)
 
+    def values(self) -> list[V]:
+        return list(self._items.values())
+
     def get(self, key: str) -> V | None:
         if key not in self._items:
             return None

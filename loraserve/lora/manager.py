@@ -160,7 +160,7 @@ class LoRAManager:
         lora = self.cpu_cache.get(name)
         if lora is None:
             raise RuntimeError(f"LoRA {name!r} is neither in a device slot nor in the CPU cache")
-        used = set(self.slots._items.values())
+        used = set(self.slots.values())
         free = [s for s in range(self.config.max_loras) if s not in used]
         if not free:
             victim = self.slots.oldest_evictable(set(protected) | {name})

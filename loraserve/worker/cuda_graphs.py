@@ -40,7 +40,7 @@ class DecodeGraphs:
         max_bs = self.sizes[-1]
         dev = runner.device
         lora = runner.lora_manager is not None
-        specialize = runner.config.extra.get("specialize_active_lora", False)
+        specialize = runner.config.specialize_active_lora
         self.cases = [True] if lora and not specialize else ([False, True] if lora else [False])
         self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
         self.positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
