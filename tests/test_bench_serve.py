@@ -1,0 +1,141 @@
+"""benchmarks/serve.py against a tiny `loraserve serve` with two adapters: every
+request succeeds with exactly output-len tokens, the statistics are in order, and
+the adapters are drawn as the distribution says. No assertion on speed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+from serve_utils import ServerProcess
+
+
+def _load_bench():
+    """benchmarks/serve.py as a module, under a name that cannot shadow another."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "serve.py"
+    spec = importlib.util.spec_from_file_location("loraserve_bench_serve", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
+
+NUM_REQUESTS = 12
+INPUT_LEN = 16
+OUTPUT_LEN = 8
+ADAPTERS = ["sql", "poet"]
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, llama_adapters):
+    srv = ServerProcess([
+        llama_dir, "--served-model-name", "base", "--enable-lora", "--max-loras", "2",
+        "--max-num-seqs", "16",
+        "--lora-modules", f"sql={llama_adapters['r8']}", f"poet={llama_adapters['r16_qv']}",
+    ])
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        srv.kill()
+
+
+@pytest.mark.parametrize("rate_args", [["--request-rate", "inf"],
+                                       ["--request-rate", "40", "--arrival", "fixed"]],
+                         ids=["inf", "fixed"])
+def test_serve_benchmark(server, tmp_path, rate_args):
+    out = tmp_path / "serve.json"
+    argv = [server.url, "--num-requests", str(NUM_REQUESTS), *rate_args,
+            "--num-adapters", "2", "--adapter-dist", "zipf", "--zipf-s", "1.1",
+            "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
+            "--request-timeout", "60", "--seed", "3", "--json", str(out)]
+    bench.main(argv)
+    results = json.loads(out.read_text())
+
+    assert results["command"] == shlex.join(["python", "benchmarks/serve.py", *argv])
+    assert results["machine"]
+    assert results["base_model"] == "base"
+    assert results["adapters"] == ADAPTERS
+    assert results["failures"] == 0, results["errors"]
+    assert results["completed"] == NUM_REQUESTS
+    assert results["output_tokens"] == NUM_REQUESTS * OUTPUT_LEN
+    assert results["input_tokens"] == NUM_REQUESTS * INPUT_LEN
+    assert results["output_len_mismatches"] == 0
+    assert NUM_REQUESTS <= results["output_chunks"] <= NUM_REQUESTS * OUTPUT_LEN
+    for key in ["request_throughput", "output_tok_per_s", "total_tok_per_s"]:
+        assert results[key] > 0
+    assert results["total_tok_per_s"] > results["output_tok_per_s"]
+    for key in ["ttft", "tpot", "itl", "e2e"]:
+        stats = results[key]
+        assert all(stats[s] is not None and stats[s] > 0 for s in ["mean_ms", "p50_ms", "p99_ms"])
+        assert stats["p50_ms"] <= stats["p99_ms"]
+    assert results["ttft"]["p99_ms"] <= results["e2e"]["p99_ms"]
+
+    records = results["requests"]
+    assert len(records) == NUM_REQUESTS
+    for r in records:
+        assert r["success"] and r["output_tokens"] == OUTPUT_LEN
+        assert r["served_model"] == r["model"]  # the server answered as the adapter asked for
+        assert 0 < r["ttft_s"] <= r["e2e_s"]
+        assert r["tpot_s"] == pytest.approx((r["e2e_s"] - r["ttft_s"]) / (OUTPUT_LEN - 1))
+    # Only adapters (no base fraction), counted as the script reports them, and
+    # the same draw as the script's own selection for this seed.
+    counts = {name: sum(r["model"] == name for r in records) for name in ADAPTERS}
+    assert sum(counts.values()) == NUM_REQUESTS
+    assert results["model_counts"] == {k: v for k, v in counts.items() if v}
+    expected = bench.pick_models(NUM_REQUESTS, "base", ADAPTERS, "zipf", 1.1, 0.0,
+                                 random.Random("3-models"))
+    assert [r["model"] for r in records] == expected
+    # Send times follow the schedule: all at 0 for inf, 1/40 s apart for fixed.
+    scheduled = [r["scheduled_s"] for r in records]
+    if rate_args[1] == "inf":
+        assert scheduled == [0.0] * NUM_REQUESTS
+    else:
+        assert scheduled == pytest.approx([i / 40 for i in range(NUM_REQUESTS)])
+        assert all(r["start_s"] >= r["scheduled_s"] - 1e-3 for r in records)
+
+
+def test_failures_are_counted_and_bounded(server, tmp_path):
+    """A request past --request-timeout fails without stalling the run; names the
+    server does not serve are refused before any request goes out."""
+    results = bench.main([server.url, "--num-requests", "3", "--input-len", "8",
+                          "--output-len", "8", "--request-timeout", "0.0001"])
+    assert results["failures"] == 3 and results["completed"] == 0
+    assert all("timed out" in e for e in results["errors"])
+    assert results["ttft"]["p50_ms"] is None
+    with pytest.raises(SystemExit, match="nope"):
+        bench.main([server.url, "--num-requests", "1", "--adapter-names", "nope"])
+
+
+def test_adapter_distribution():
+    """Many draws of the model picker match Zipf, uniform and the base fraction."""
+    n, adapters = 20000, ["a", "b", "c"]
+    zipf = [1 / k ** 1.1 for k in (1, 2, 3)]
+    for dist, weights, base_fraction in [("zipf", zipf, 0.0), ("uniform", [1, 1, 1], 0.25)]:
+        picks = bench.pick_models(n, "base", adapters, dist, 1.1, base_fraction,
+                                  random.Random(0))
+        assert picks.count("base") / n == pytest.approx(base_fraction, abs=0.015)
+        for name, w in zip(adapters, weights, strict=True):
+            share = w / sum(weights) * (1 - base_fraction)
+            assert picks.count(name) / n == pytest.approx(share, abs=0.015)
+    assert bench.pick_models(5, "base", [], "zipf", 1.1, 0.0, random.Random(0)) == ["base"] * 5
+
+
+def test_arrivals_and_percentiles():
+    rng = random.Random(0)
+    poisson = bench.arrival_offsets(4000, 20.0, "poisson", rng)
+    gaps = [b - a for a, b in zip(poisson, poisson[1:], strict=False)]
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20, rel=0.05)
+    assert bench.arrival_offsets(3, 4.0, "fixed", rng) == [0.0, 0.25, 0.5]
+    assert bench.arrival_offsets(3, math.inf, "poisson", rng) == [0.0, 0.0, 0.0]
+    assert bench.percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5
+    assert bench.percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert bench.percentile([], 50) is None
