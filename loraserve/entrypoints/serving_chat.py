@@ -206,9 +206,10 @@ class OpenAIServingChat:
                             yield SSE_DONE
                             return
                         completion_tokens += len(out.delta_token_ids)
-                        # Tokens that end inside a character or could start a stop
-                        # string give no text yet; send them with the next delta.
-                        if not out.delta_text and not out.finish_reason and not request.logprobs:
+                        # One chunk per step that made tokens, as vLLM does, even when
+                        # they give no text yet (half a character, a possible stop
+                        # string): clients time tokens by chunks.
+                        if not out.delta_text and not out.delta_token_ids and not out.finish_reason:
                             continue
                         if out.finish_reason is not None:
                             finished.add(out.index)

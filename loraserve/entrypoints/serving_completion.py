@@ -187,7 +187,10 @@ class OpenAIServingCompletion:
                             if request.echo:
                                 text = (prompts[i][0] or "") + text
                         completion_tokens += len(out.delta_token_ids)
-                        if not text and out.finish_reason is None and request.logprobs is None:
+                        # One chunk per step that made tokens, as vLLM does, even when
+                        # they give no text yet (half a character, a possible stop
+                        # string): clients time tokens by chunks.
+                        if not text and not out.delta_token_ids and out.finish_reason is None:
                             continue
                         logprobs = None
                         if request.logprobs is not None:
