@@ -23,7 +23,23 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`: (norm(residual + x), residual + x)."""
+        if x.is_cuda:
+            # One fused kernel instead of eight (a CUDA graph node each).
+            from loraserve.kernels.fused_norm_rope import rms_norm
+
+            flat = x.reshape(-1, x.shape[-1])
+            if residual is None:
+                return rms_norm(flat, self.weight, self.eps).view(x.shape)
+            out = rms_norm(flat, self.weight, self.eps, residual=residual)
+            return out.view(x.shape), residual
+        if residual is None:
+            return self.forward_torch(x)
+        residual = residual + x
+        return self.forward_torch(residual), residual
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         # Same order of operations as transformers so fp32 results match bit for bit.
         dtype = x.dtype
         xf = x.float()
@@ -103,13 +119,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, kv_cache, attn) -> torch.Tensor:
-        residual = hidden
-        hidden = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, attn)
-        hidden = residual + hidden
-        residual = hidden
-        hidden = self.mlp(self.post_attention_layernorm(hidden))
-        return residual + hidden
+    def forward(self, positions, hidden, residual, kv_cache, attn):
+        """Returns (this layer's output delta, the running residual stream); the
+        next norm adds them, so add and norm fuse into one kernel on a GPU."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, attn)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -126,9 +146,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, attn) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, attn)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaFamilyForCausalLM(nn.Module):

@@ -66,7 +66,18 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D] -> rotated copies (rotate-half convention)."""
+        """q: [T, Hq, D], k: [T, Hk, D] -> rotated (rotate-half convention). On a GPU
+        q and k are rotated in place by one kernel."""
+        if q.is_cuda and self.rotary_dim == q.shape[-1]:
+            from loraserve.kernels.fused_norm_rope import rotary_embedding_
+
+            rotary_embedding_(q, k, positions, self.cos, self.sin)
+            return q, k
+        return self.forward_torch(positions, q, k)
+
+    def forward_torch(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)

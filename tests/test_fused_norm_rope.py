@@ -1,0 +1,73 @@
+"""The fused RMSNorm and rotary kernels against the model's torch code (CPU, under
+TRITON_INTERPRET=1; on a GPU the same tests run compiled)."""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Set before triton decorates the kernels (see test_paged_attention.py).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from loraserve.kernels import fused_norm_rope as fused  # noqa: E402
+from transformers import LlamaConfig  # noqa: E402
+
+from loraserve.model.llama import RMSNorm  # noqa: E402
+from loraserve.model.rope import RotaryEmbedding  # noqa: E402
+
+if not torch.cuda.is_available() and type(fused._rope_kernel).__name__ != "InterpretedFunction":
+    fused = importlib.reload(fused)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_rms_norm_with_and_without_residual(dtype, hidden):
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(7, hidden, generator=gen).to(dtype).to(DEVICE)
+    residual = torch.randn(7, hidden, generator=gen).to(dtype).to(DEVICE)
+    norm = RMSNorm(hidden, 1e-5).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden, generator=gen) + 0.5)
+    norm = norm.to(dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+    want = norm.forward_torch(x)
+    torch.testing.assert_close(fused.rms_norm(x, norm.weight, 1e-5), want, **tol)
+
+    summed = x + residual
+    want = norm.forward_torch(summed)
+    res = residual.clone()
+    got = fused.rms_norm(x, norm.weight, 1e-5, residual=res)
+    # The residual now holds the rounded sum. Triton's CPU interpreter rounds bf16
+    # by truncation, so only compiled kernels are held to bit equality there.
+    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        torch.testing.assert_close(res, summed, **tol)
+    else:
+        assert torch.equal(res, summed)
+    torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (6, 1, 24)])
+def test_rotary_matches_torch(dtype, heads, kv_heads, head_dim):
+    config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, head_dim=head_dim)
+    rope = RotaryEmbedding(config, 64).to(DEVICE)
+    gen = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype).to(DEVICE)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = q.view(5, heads, head_dim)
+    k = k.view(5, kv_heads, head_dim)
+    positions = torch.tensor([0, 3, 17, 40, 63], device=DEVICE)
+    want_q, want_k = rope.forward_torch(positions, q, k)
+    q2, k2 = q.clone(), k.clone()
+    fused.rotary_embedding_(q2, k2, positions, rope.cos, rope.sin)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(q2, want_q, **tol)
+    torch.testing.assert_close(k2, want_k, **tol)
