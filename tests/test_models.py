@@ -71,3 +71,17 @@ def test_prompt_too_long_is_refused_and_engine_serves(llama_dir, prompts):
     # Generation stops at max_model_len.
     assert len(prompts[0]) + len(out.outputs[0].token_ids) == 16
     assert out.outputs[0].finish_reason == "length"
+
+
+def test_checkpoint_missing_one_slice_of_a_merged_projection(tmp_path, llama_dir):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "no_k"
+    shutil.copytree(llama_dir, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks tensors.*layers\.1\.self_attn\.qkv_proj"):
+        LLM(str(broken))

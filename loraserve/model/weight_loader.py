@@ -33,42 +33,51 @@ def checkpoint_files(model_dir: str) -> list[str]:
 
 @torch.no_grad()
 def load_weights(model: torch.nn.Module, model_dir: str, show_progress: bool = True) -> None:
+    """Copy every checkpoint tensor into its parameter (or slice of a merged one),
+    then check that nothing the model needs was missing."""
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    tied = getattr(model, "tie_word_embeddings", False)
+    loaded: set[tuple[str, int]] = set()  # (parameter, first row written)
     files = checkpoint_files(model_dir)
     for path in tqdm(files, desc="Loading safetensors", disable=not show_progress or
                      os.environ.get("LORASERVE_NO_PROGRESS") == "1"):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
+                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
                 target, offset = _target_of(model, name)
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
                 tensor = f.get_tensor(name)
-                param = params[target]
-                if offset is None:
-                    _check_shape(name, param.shape, tensor.shape)
-                    param.copy_(tensor)
-                else:
-                    start, size = offset
-                    _check_shape(name, param[start:start + size].shape, tensor.shape)
-                    param[start:start + size].copy_(tensor)
-                loaded.add(target if offset is None else f"{target}@{offset[0]}")
-    expected = set()
-    for name in params:
-        if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
-            continue
-        module_attr = name.rsplit(".", 2)
-        merged = module_attr[-2] if len(module_attr) >= 2 else ""
-        if merged in ("qkv_proj", "gate_up_proj"):
-            continue  # checked slice by slice below
-        expected.add(name)
-    missing = sorted(n for n in expected if n not in loaded)
+                start, size = offset if offset is not None else (0, params[target].shape[0])
+                dest = params[target][start:start + size]
+                _check_shape(name, dest.shape, tensor.shape)
+                dest.copy_(tensor)
+                loaded.add((target, start))
+    missing = sorted(
+        f"{name}[{start}:]" if start else name
+        for name, start in _expected_pieces(model, params, tied)
+        if (name, start) not in loaded
+    )
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks tensors: {missing[:8]}")
+
+
+def _expected_pieces(model, params: dict, tied: bool) -> list[tuple[str, int]]:
+    """(parameter, first row) of every piece a checkpoint must provide: one per slice
+    for merged projections, one for any other parameter."""
+    merged = {m for m, _ in model.stacked_modules.values()}
+    pieces = []
+    for name in params:
+        if tied and name == "lm_head.weight":
+            continue
+        module = name.split(".")[-2] if "." in name else ""
+        if module in merged:
+            sizes = model.slice_sizes(module)
+            pieces += [(name, sum(sizes[:i])) for i in range(len(sizes))]
+        else:
+            pieces.append((name, 0))
+    return pieces
 
 
 def _check_shape(name: str, want, got) -> None:
