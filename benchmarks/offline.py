@@ -37,6 +37,22 @@ def make_prompts(num: int, input_len: int, vocab: int, seed: int = 0) -> list[di
             for _ in range(num)]
 
 
+def adapter_names(root: Path, count: int) -> list[str]:
+    """The first `count` adapter folders under root, in name order."""
+    return sorted(d.name for d in root.iterdir() if d.is_dir())[:count]
+
+
+def finish_report(results: dict, json_path: Path | None) -> None:
+    """Add the LoRA/base ratio (when both ran), print, and save."""
+    if "lora" in results:
+        results["lora_over_base"] = (
+            results["lora"]["output_tok_per_s"] / results["base"]["output_tok_per_s"]
+        )
+    print(json.dumps(results, indent=2))
+    if json_path:
+        json_path.write_text(json.dumps(results, indent=2))
+
+
 def run(llm: LLM, prompts, params, loras) -> dict:
     # A short warm-up outside the timing (kernel compilation, adapter loading).
     llm.generate(prompts[:2], params, loras[:2] if isinstance(loras, list) else loras)
@@ -86,18 +102,12 @@ def main() -> None:
     results["base"] = run(llm, prompts, params, None)
     print(json.dumps(results["base"]), flush=True)
     if args.adapters is not None:
-        names = sorted(d.name for d in args.adapters.iterdir() if d.is_dir())
-        names = names[: args.num_adapters]
+        names = adapter_names(args.adapters, args.num_adapters)
         loras = [LoRARequest(n, i + 1, str(args.adapters / n)) for i, n in enumerate(names)]
         per_prompt = [loras[i % len(loras)] for i in range(len(prompts))]
         gc.collect()
         results["lora"] = run(llm, prompts, params, per_prompt)
-        results["lora_over_base"] = (
-            results["lora"]["output_tok_per_s"] / results["base"]["output_tok_per_s"]
-        )
-    print(json.dumps(results, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    finish_report(results, args.json)
 
 
 if __name__ == "__main__":

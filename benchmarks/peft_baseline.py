@@ -9,13 +9,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
-from offline import machine, make_prompts
+from offline import adapter_names, finish_report, machine, make_prompts
 
 
 def generate(model, prompts, output_len: int, batch_size: int, adapter_names=None) -> dict:
@@ -66,7 +65,7 @@ def main() -> None:
                "machine": machine(),
                "base": generate(model, prompts, args.output_len, args.batch_size)}
 
-    names = sorted(d.name for d in args.adapters.iterdir() if d.is_dir())[: args.num_adapters]
+    names = adapter_names(args.adapters, args.num_adapters)
     model = PeftModel.from_pretrained(model, str(args.adapters / names[0]), adapter_name=names[0])
     for name in names[1:]:
         model.load_adapter(str(args.adapters / name), adapter_name=name)
@@ -74,12 +73,7 @@ def main() -> None:
     per_prompt = [names[i % len(names)] for i in range(len(prompts))]
     generate(model, prompts[:2], 4, 2, per_prompt[:2])
     results["lora"] = generate(model, prompts, args.output_len, args.batch_size, per_prompt)
-    results["lora_over_base"] = (
-        results["lora"]["output_tok_per_s"] / results["base"]["output_tok_per_s"]
-    )
-    print(json.dumps(results, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    finish_report(results, args.json)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -194,22 +193,16 @@ class EngineConfig:
             specialize_active_lora=specialize_active_lora,
         )
 
-    def replace(self, **changes: Any) -> EngineConfig:
-        return dataclasses.replace(self, **changes)
-
 
 def resolve_model_path(model: str) -> str:
     """A local directory, a built-in model name, or a Hugging Face Hub repo id."""
     if os.path.isdir(model):
         return model
-    try:
-        from loraserve.model.builtin import resolve_builtin_model
-    except ImportError:  # the built-in registry is optional
-        resolve_builtin_model = None
-    if resolve_builtin_model is not None:
-        local = resolve_builtin_model(model)
-        if local is not None:
-            return local
+    from loraserve.model.builtin import resolve_builtin_model
+
+    local = resolve_builtin_model(model)
+    if local is not None:
+        return local
     from huggingface_hub import snapshot_download
 
     try:

@@ -89,3 +89,15 @@ def reference(
     q, k, v = (b[n][:rt].to(dtype) for n in ("q", "k", "v"))
     out = TorchPagedAttention(b["meta"]).forward(q, k, v, cache, scale, window)
     return out, cache
+
+
+def run_kernels(pa, b, scale, window=None, out=None, **kw):
+    """write_kv_cache then paged_attention of module `pa` on batch b; returns
+    (out, cache). `pa` is passed in because the CPU tests reload it for the
+    interpreter."""
+    cache = b["cache"].clone()
+    pa.write_kv_cache(b["k"], b["v"], cache, b["slot_mapping"])
+    out = torch.full_like(b["q"], float("nan")) if out is None else out
+    pa.paged_attention(b["q"], cache, out, b["query_start_loc"], b["seq_lens"],
+                       b["block_tables"], scale, sliding_window=window, **kw)
+    return out, cache

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from loraserve.kernels import paged_attention as pa  # noqa: E402
-from paged_attention_utils import make_batch, reference  # noqa: E402
+from paged_attention_utils import make_batch, reference, run_kernels  # noqa: E402
 
 if not torch.cuda.is_available() and type(pa._attn_kernel).__name__ != "InterpretedFunction":
     # Imported earlier in this process before the variable was set: decorate again.
@@ -27,21 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def run_kernel(b, scale, window, **kw):
-    cache = b["cache"].clone()
-    pa.write_kv_cache(b["k"], b["v"], cache, b["slot_mapping"])
-    out = torch.full_like(b["q"], float("nan"))
-    pa.paged_attention(
-        b["q"],
-        cache,
-        out,
-        b["query_start_loc"],
-        b["seq_lens"],
-        b["block_tables"],
-        scale,
-        sliding_window=window,
-        **kw,
-    )
-    return out, cache
+    return run_kernels(pa, b, scale, window, **kw)
 
 
 def check(b, window=None, atol=1e-5, **kw):

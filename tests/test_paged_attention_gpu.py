@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from paged_attention_utils import make_batch, reference
+from paged_attention_utils import make_batch, reference, run_kernels
 
 pytestmark = [
     pytest.mark.gpu,
@@ -17,22 +17,7 @@ TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
 
 def run(b, window=None, out=None, **kw):
-    cache = b["cache"].clone()
-    pa.write_kv_cache(b["k"], b["v"], cache, b["slot_mapping"])
-    out = torch.full_like(b["q"], float("nan")) if out is None else out
-    scale = b["q"].shape[-1] ** -0.5
-    pa.paged_attention(
-        b["q"],
-        cache,
-        out,
-        b["query_start_loc"],
-        b["seq_lens"],
-        b["block_tables"],
-        scale,
-        sliding_window=window,
-        **kw,
-    )
-    return out, cache
+    return run_kernels(pa, b, b["q"].shape[-1] ** -0.5, window, out, **kw)
 
 
 def check(b, window=None, **kw):

@@ -110,17 +110,16 @@ class RuntimeLoRALoader:
 
     def __init__(self, core: Any) -> None:
         self.core = core
-        self.manager = getattr(core, "lora_manager", None)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-runtime-load")
         self.pending: list[_PendingAdd] = []
 
     def submit(self, call: UtilityCall) -> bool:
         """Start an add_lora call; False when it must run inline (no LoRA manager)."""
-        if self.manager is None:
+        if self.core.lora_manager is None:
             return False
         lora_request = msgspec.convert(call.args[0], LoRARequest)
         pinned = bool(call.args[1]) if len(call.args) > 1 else False
-        future = self._pool.submit(self.manager.load, lora_request)
+        future = self._pool.submit(self.core.read_lora, lora_request)
         self.pending.append(_PendingAdd(call, lora_request, pinned, future))
         return True
 

@@ -98,6 +98,11 @@ class EngineCore:
             raise ValueError("LoRA is not enabled; start with enable_lora (--enable-lora)")
         return self.lora_manager
 
+    def read_lora(self, lora_request: LoRARequest) -> LoRAModel:
+        """Read and check an adapter from disk without touching any engine state, so
+        it may run on another thread; hand the result to add_lora(loaded=...)."""
+        return self._require_lora().load(lora_request)
+
     def add_lora(self, lora_request: LoRARequest, pinned: bool = False,
                  loaded: LoRAModel | None = None) -> None:
         """Load now (raises LoRAError) unless `loaded` holds the adapter already read

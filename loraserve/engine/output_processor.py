@@ -68,11 +68,11 @@ class _ChildState:
 
 
 class _ParentState:
-    def __init__(self, request_id, prompt, prompt_token_ids, n, lora_request) -> None:
+    def __init__(self, request_id, prompt, prompt_token_ids, lora_request) -> None:
         self.output = RequestOutput(request_id, prompt, list(prompt_token_ids), [], False,
                                     lora_request)
         self.children: list[_ChildState] = []
-        self.n = n
+        self.child_ids: list[str] = []
 
 
 class OutputProcessor:
@@ -92,7 +92,7 @@ class OutputProcessor:
     ) -> list[EngineCoreRequest]:
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        parent = _ParentState(request_id, prompt, prompt_token_ids, params.n, lora_request)
+        parent = _ParentState(request_id, prompt, prompt_token_ids, lora_request)
         self._parents[request_id] = parent
         requests = []
         for i in range(params.n):
@@ -107,6 +107,7 @@ class OutputProcessor:
                 self.tokenizer, prompt_token_ids, child_params.skip_special_tokens
             )
             parent.children.append(child)
+            parent.child_ids.append(child_id)
             parent.output.outputs.append(child.out)
             self._children[child_id] = child
             requests.append(EngineCoreRequest(
@@ -120,17 +121,19 @@ class OutputProcessor:
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self._parents.get(request_id)
-        if parent is None:
-            return []
-        return [cid for cid, c in self._children.items() if c.parent is parent]
+        return list(parent.child_ids) if parent is not None else []
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns the child ids to abort in the engine."""
-        ids = self.child_ids(request_id)
-        for cid in ids:
+        return self._forget(request_id)
+
+    def _forget(self, request_id: str) -> list[str]:
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return []
+        for cid in parent.child_ids:
             del self._children[cid]
-        self._parents.pop(request_id, None)
-        return ids
+        return parent.child_ids
 
     def has_unfinished(self) -> bool:
         return bool(self._parents)
@@ -154,9 +157,7 @@ class OutputProcessor:
             parent.output.finished = all(c.out.finished for c in parent.children)
             result.request_outputs.append(parent.output)
             if parent.output.finished:
-                for cid in self.child_ids(rid):
-                    del self._children[cid]
-                del self._parents[rid]
+                self._forget(rid)
         return result
 
     def _update_child(self, child: _ChildState, eco: EngineCoreOutput) -> bool:

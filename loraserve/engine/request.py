@@ -59,7 +59,3 @@ class Request:
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
-
-    @property
-    def finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED

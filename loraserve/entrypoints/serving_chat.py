@@ -159,11 +159,7 @@ class OpenAIServingChat:
             id=request_id,
             model=model_name,
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=prompt_len,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_len + completion_tokens,
-            ),
+            usage=UsageInfo.of(prompt_len, completion_tokens),
         )
 
     async def _stream(
@@ -233,11 +229,7 @@ class OpenAIServingChat:
             yield SSE_DONE
             return
         if include_usage:
-            yield chunk([], UsageInfo(
-                prompt_tokens=prompt_len,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_len + completion_tokens,
-            ))
+            yield chunk([], UsageInfo.of(prompt_len, completion_tokens))
         yield SSE_DONE
 
 

@@ -149,11 +149,7 @@ class OpenAIServingCompletion:
             id=request_id,
             model=model_name,
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            ),
+            usage=UsageInfo.of(prompt_tokens, completion_tokens),
         )
 
     async def _stream(
@@ -217,11 +213,7 @@ class OpenAIServingCompletion:
             return
         if include_usage:
             prompt_tokens = sum(len(ids) for _, ids in prompts)
-            usage = UsageInfo(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            )
+            usage = UsageInfo.of(prompt_tokens, completion_tokens)
             yield sse(_chunk(request_id, created, model_name, [], usage.model_dump()))
         yield SSE_DONE
 

@@ -56,6 +56,3 @@ class LinearWithLoRA(nn.Module):
         y = self.base_layer(x)
         self.punica.add_lora_linear(y, x, self.lora_a, self.lora_b)
         return y
-
-    def lora_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.lora_a, *self.lora_b))

@@ -109,9 +109,6 @@ class LoRAManager:
         if name not in self._loading:
             self._loading[name] = (lora_request, self._loader.submit(self.load, lora_request))
 
-    def is_loading(self, name: str) -> bool:
-        return name in self._loading
-
     def poll_loads(self) -> list[tuple[str, LoRAError | None]]:
         """Move finished background loads into the CPU cache; report failures."""
         done = []

@@ -25,7 +25,6 @@ class PunicaWrapper:
         self.device = device
         # Preallocated so the CUDA path never allocates inside a captured graph.
         self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device)
-        self.num_tokens = 0
         # False: skip the LoRA ops entirely (no adapter in the step, or a graph
         # captured for the no-LoRA case).
         self.any_lora = False
@@ -41,7 +40,6 @@ class PunicaWrapper:
         n = len(token_slots)
         if n > self.token_slots.numel():
             raise ValueError(f"{n} tokens exceed the punica buffer of {self.token_slots.numel()}")
-        self.num_tokens = n
         slots = torch.tensor(token_slots, dtype=torch.int32)
         self.any_lora = bool((slots >= 0).any())
         if self.meta is not None:
@@ -56,7 +54,6 @@ class PunicaWrapper:
 
     def refresh_device_mapping(self, num_tokens: int) -> None:
         """Regroup from `token_slots` already on the device (CUDA graph replays)."""
-        self.num_tokens = num_tokens
         if self.meta is not None:
             self.meta.update(self.token_slots[:num_tokens])
 

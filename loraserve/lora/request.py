@@ -30,7 +30,3 @@ class LoRARequest(msgspec.Struct, omit_defaults=True, array_like=True):
 
     def __hash__(self) -> int:
         return hash(self.lora_name)
-
-    @property
-    def adapter_id(self) -> int:
-        return self.lora_int_id

@@ -21,7 +21,11 @@ import time
 
 import torch
 
-from loraserve.worker.attention import AttentionMetadata, TritonPagedAttention
+from loraserve.worker.attention import (
+    AttentionMetadata,
+    TritonPagedAttention,
+    block_table_tensor,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +123,8 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(torch.tensor(inputs.seq_lens, dtype=torch.int32),
                                 non_blocking=True)
         self.seq_lens[n:bs].fill_(1)
-        width = max(len(b) for b in inputs.block_tables)
-        table = torch.zeros(n, width, dtype=torch.int32)
-        for i, blocks in enumerate(inputs.block_tables):
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        self.block_tables[:n, :width].copy_(table.to(dev, non_blocking=True))
+        table = block_table_tensor(inputs.block_tables)
+        self.block_tables[:n, : table.shape[1]].copy_(table.to(dev))
         if case:
             slots = self.runner.punica.token_slots
             slots[:n].copy_(torch.tensor(inputs.token_lora_slots, dtype=torch.int32),

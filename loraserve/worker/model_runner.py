@@ -25,6 +25,7 @@ from loraserve.worker.attention import (
     TorchPagedAttention,
     TritonPagedAttention,
     allocate_kv_cache,
+    block_table_tensor,
     kv_block_bytes,
 )
 from loraserve.worker.input_batch import StepInput
@@ -225,11 +226,7 @@ class ModelRunner:
             block_size=self.block_size,
         )
         if self.use_triton:
-            width = max(len(b) for b in inputs.block_tables)
-            table = torch.zeros(len(inputs.block_tables), width, dtype=torch.int32)
-            for i, blocks in enumerate(inputs.block_tables):
-                table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-            meta.block_tables_t = table.to(dev, non_blocking=True)
+            meta.block_tables_t = block_table_tensor(inputs.block_tables).to(dev)
             meta.query_start_loc_t = torch.tensor(inputs.query_start_loc,
                                                   dtype=torch.int32).to(dev)
             meta.seq_lens_t = torch.tensor(inputs.seq_lens, dtype=torch.int32).to(dev)
