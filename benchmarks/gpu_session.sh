@@ -1,29 +1,117 @@
 #!/usr/bin/env bash
-# One device call: GPU tests of the engine, then the offline LoRA-vs-base run on
-# the Llama-3-8B shape with 32 rank-16 adapters. Writes logs and JSON to $OUT.
-# Usage (device tool, carry .devwheels): bash benchmarks/gpu_session.sh
+# One device call: the stages named in STAGES, in order, on the Llama-3-8B shape
+# with dummy weights. Writes logs and JSON to $OUT.
+# Usage (device tool, carry .devwheels):
+#   STAGES="tests profile decode32" bash benchmarks/gpu_session.sh
+# Stages:
+#   tests     the gpu-marked tests
+#   profile   where a batch-32 decode step's time goes (profile_decode.py)
+#   decode32  base decode at batch 32 (offline.py), and the same through PEFT
+#   offline   LoRA vs base offline throughput, 32 rank-16 adapters, 256 requests
+#   startup   graph capture time and memory, LoRA vs base (startup.py)
+#   serve     a LoRA server; ITL at batch 1 and 64 with and without LoRA, and the
+#             fixed-rate serving benchmark with 8 and 64 adapters under --max-loras 8
 set -uo pipefail
+# The device returns at most 8 files: everything goes under /tmp/gpu_session_out and comes back
+# packed as $OUT/results.tgz.
+FINAL_OUT=$OUT
+OUT=/tmp/gpu_session_out
+mkdir -p "$OUT"
+pack() { tar czf "$FINAL_OUT/results.tgz" -C "$OUT" .; }
+trap pack EXIT
+STAGES=${STAGES:-"tests offline decode32"}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devwheels/*.whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 LORASERVE_NO_PROGRESS=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/machine.txt"
-timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -q tests/test_engine_gpu.py \
-    tests/test_paged_attention_gpu.py \
-    > "$OUT/gpu_tests.log" 2>&1
-echo "gpu tests rc=$?" >> "$OUT/gpu_tests.log"
-python3 benchmarks/make_bench_setup.py --out /tmp/bench --num-adapters "${NUM_ADAPTERS:-32}" \
-    --rank 16 > "$OUT/setup.log" 2>&1
-if [ "${RUN_LORA:-1}" = 1 ]; then
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/machine.txt"
+MODEL=/tmp/bench/llama3-8b-shape
+ADAPTERS=/tmp/bench/adapters
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+stamp() { echo "$(date +%T) $*" >> "$OUT/stages.log"; }
+
+if has tests; then
+  stamp tests
+  # The gpu-marked tests, and the fused-kernel tests that run compiled on a GPU.
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q tests/test_engine_gpu.py \
+      tests/test_kernels_gpu.py tests/test_paged_attention_gpu.py \
+      tests/test_fused_norm_rope.py > "$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests rc=$?" >> "$OUT/gpu_tests.log"
+fi
+
+if has profile || has decode32 || has offline || has startup || has serve; then
+  stamp setup
+  python3 benchmarks/make_bench_setup.py --out /tmp/bench --num-adapters "${NUM_ADAPTERS:-32}" \
+      --rank 16 > "$OUT/setup.log" 2>&1
+fi
+
+if has profile; then
+  stamp profile
+  (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 profile_decode.py --model $MODEL \
+      --load-format dummy --batch 32 --out "$OUT/profile") > "$OUT/profile.log" 2>&1
+  echo "profile rc=$?" >> "$OUT/profile.log"
+fi
+
+if has decode32; then
+  stamp decode32
+  # Short prompts, long outputs: nearly every step is a batch-32 decode.
   timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/offline.py \
-      --model /tmp/bench/llama3-8b-shape --load-format dummy --adapters /tmp/bench/adapters \
+      --model $MODEL --load-format dummy --num-requests 32 \
+      --max-num-seqs 32 --input-len 64 --output-len 512 \
+      --json "$OUT/decode32.json" > "$OUT/decode32.log" 2>&1
+  echo "decode32 rc=$?" >> "$OUT/decode32.log"
+  (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 peft_baseline.py --model $MODEL \
+      --num-requests 32 --batch-size 32 --input-len 64 --output-len 512 --no-lora \
+      --json "$OUT/decode32_peft.json") > "$OUT/decode32_peft.log" 2>&1
+  echo "decode32 peft rc=$?" >> "$OUT/decode32_peft.log"
+fi
+
+if has offline; then
+  stamp offline
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/offline.py \
+      --model $MODEL --load-format dummy --adapters $ADAPTERS \
       --num-adapters 32 --num-requests 256 --input-len 512 --output-len 128 \
       --json "$OUT/offline.json" > "$OUT/offline.log" 2>&1
   echo "offline rc=$?" >> "$OUT/offline.log"
 fi
-# Decode speed of the base model at batch 32 (short prompts, long outputs).
-timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/offline.py \
-    --model /tmp/bench/llama3-8b-shape --load-format dummy --num-requests 32 \
-    --max-num-seqs 32 --input-len 64 --output-len 512 \
-    --json "$OUT/decode32.json" > "$OUT/decode32.log" 2>&1
-echo "decode32 rc=$?" >> "$OUT/decode32.log"
-tail -n 5 "$OUT"/*.log
+
+if has startup; then
+  stamp startup
+  (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 startup.py --model $MODEL \
+      --load-format dummy --max-loras 8 --max-num-seqs 256 \
+      --json "$OUT/startup.json") > "$OUT/startup.log" 2>&1
+  echo "startup rc=$?" >> "$OUT/startup.log"
+fi
+
+if has serve; then
+  stamp serve
+  mods=()
+  for d in "$ADAPTERS"/*/; do n=$(basename "$d"); mods+=("$n=$d"); done
+  loraserve serve $MODEL --load-format dummy --enable-lora --max-loras 8 --max-lora-rank 16 \
+      --max-cpu-loras 64 --port 8011 --lora-modules "${mods[@]}" > "$OUT/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 300); do
+    curl -sf http://127.0.0.1:8011/v1/models > /dev/null && break; sleep 1
+  done
+  bench() {  # name, then serve.py arguments
+    local name=$1; shift
+    stamp "serve $name"
+    timeout 240 python3 benchmarks/serve.py http://127.0.0.1:8011 --input-len 512 \
+        --output-len 128 --json "$OUT/serve_$name.json" "$@" > "$OUT/serve_$name.log" 2>&1
+    echo "rc=$?" >> "$OUT/serve_$name.log"
+  }
+  bench itl_b1_base --num-requests 16 --max-concurrency 1 --num-adapters 0 --warmup-requests 2
+  bench itl_b1_lora --num-requests 16 --max-concurrency 1 --num-adapters 8 --warmup-requests 2
+  bench itl_b64_base --num-requests 256 --max-concurrency 64 --num-adapters 0 \
+      --warmup-requests 8
+  bench itl_b64_lora --num-requests 256 --max-concurrency 64 --num-adapters 8 \
+      --warmup-requests 8
+  bench rate_8adapters --num-requests 256 --request-rate "${RATE:-8}" --arrival fixed \
+      --num-adapters 8
+  bench rate_64adapters --num-requests 256 --request-rate "${RATE:-8}" --arrival fixed \
+      --num-adapters 64
+  kill -INT $server; wait $server
+fi
+stamp done
+tail -n 4 "$OUT"/*.log
+grep -h "output_tok_per_s\|lora_over_base\|capture_s\|graph_replay\|engine_step" "$OUT"/*.json \
+    "$OUT"/profile/*.json 2>/dev/null

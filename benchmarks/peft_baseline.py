@@ -40,14 +40,17 @@ def generate(model, prompts, output_len: int, batch_size: int, adapter_names=Non
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", required=True)
-    p.add_argument("--adapters", type=Path, required=True)
+    p.add_argument("--adapters", type=Path, help="folder of PEFT adapter folders")
     p.add_argument("--num-adapters", type=int, default=32)
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--no-lora", action="store_true", help="run the base model only")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    if not args.no_lora and args.adapters is None:
+        p.error("--adapters is required unless --no-lora")
 
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -64,6 +67,9 @@ def main() -> None:
     results = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
                "machine": machine(),
                "base": generate(model, prompts, args.output_len, args.batch_size)}
+    if args.no_lora:
+        finish_report(results, args.json)
+        return
 
     names = adapter_names(args.adapters, args.num_adapters)
     model = PeftModel.from_pretrained(model, str(args.adapters / names[0]), adapter_name=names[0])

@@ -1,5 +1,6 @@
 """Start-up cost of LoRA: engine start, CUDA graph capture time and graph memory,
-for the base model and with LoRA on, each in a fresh process.
+for the base model and with LoRA on, each in a fresh process, first on an empty
+Triton cache and then again on the cache that start filled.
 
     python benchmarks/startup.py --model /tmp/bench/llama3-8b-shape --load-format dummy \
         --max-loras 8 --max-num-seqs 256 --json startup.json
@@ -17,9 +18,8 @@ import time
 from pathlib import Path
 
 
-def measure(kwargs: dict, queue) -> None:
-    # An empty Triton cache for each engine, so both pay their own kernel compiles.
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cache-")
+def measure(kwargs: dict, cache_dir: str, queue) -> None:
+    os.environ["TRITON_CACHE_DIR"] = cache_dir
     from loraserve.config import EngineConfig
     from loraserve.engine.engine_core import EngineCore
 
@@ -35,15 +35,22 @@ def measure(kwargs: dict, queue) -> None:
     })
 
 
-def run_fresh(kwargs: dict) -> dict:
-    # A process per engine: each measures its own memory and compiles from scratch.
+def run_fresh(kwargs: dict, cache_dir: str) -> dict:
+    # A process per engine: each measures its own memory.
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=measure, args=(kwargs, queue))
+    proc = ctx.Process(target=measure, args=(kwargs, cache_dir, queue))
     proc.start()
     result = queue.get(timeout=1800)
     proc.join()
     return result
+
+
+def cold_and_warm(kwargs: dict) -> dict:
+    """A first start on an empty Triton cache (it pays every kernel compile), then a
+    second start on the cache the first one filled (a restart)."""
+    cache_dir = tempfile.mkdtemp(prefix="triton-cache-")
+    return {"cold": run_fresh(kwargs, cache_dir), "warm": run_fresh(kwargs, cache_dir)}
 
 
 def main() -> None:
@@ -58,14 +65,16 @@ def main() -> None:
     args = p.parse_args()
     common = {"model": args.model, "load_format": args.load_format,
               "max_num_seqs": args.max_num_seqs}
-    lora = run_fresh({**common, "enable_lora": True, "max_loras": args.max_loras,
-                      "max_lora_rank": args.max_lora_rank,
-                      "specialize_active_lora": args.specialize_active_lora})
-    base = run_fresh(common)
+    lora = cold_and_warm({**common, "enable_lora": True, "max_loras": args.max_loras,
+                          "max_lora_rank": args.max_lora_rank,
+                          "specialize_active_lora": args.specialize_active_lora})
+    base = cold_and_warm(common)
     results = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
                "base": base, "lora": lora}
-    if base["capture_s"]:
-        results["capture_lora_over_base"] = lora["capture_s"] / base["capture_s"]
+    for start in ("cold", "warm"):
+        if base[start]["capture_s"]:
+            results[f"capture_lora_over_base_{start}"] = (
+                lora[start]["capture_s"] / base[start]["capture_s"])
     print(json.dumps(results, indent=2))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -73,6 +73,12 @@ from .lora_meta import LoRAMetadata, build_lora_metadata
 # Slices handled by one launch pair; more slices use more launch pairs.
 MAX_SLICES_PER_LAUNCH = 3
 
+_PER_SLICE_INTS = ["n0", "n1", "n2", "yo0", "yo1", "yo2", "sbs0", "sbs1", "sbs2", "nb0", "nb1"]
+# Triton compiles a variant per value class (1, multiple of 16, other) of each int
+# argument it specializes. Batch-size ints vary across CUDA graph sizes: leaving
+# them unspecialized keeps graph capture at one compile per launch config.
+_BATCH_INTS = ["num_tokens", "num_slots"]
+
 
 @triton.jit
 def _slot_tile(
@@ -235,7 +241,7 @@ def _expand_tile(
     tl.store(y_ptrs, (y_old.to(tl.float32) + delta).to(y_old.dtype), mask=y_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BATCH_INTS + ["k_per_split"])
 def _lora_shrink_kernel(
     x_ptr,
     ws_ptr,
@@ -335,10 +341,7 @@ def _lora_shrink_kernel(
             tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 
-_PER_SLICE_INTS = ["n0", "n1", "n2", "yo0", "yo1", "yo2", "sbs0", "sbs1", "sbs2", "nb0", "nb1"]
-
-
-@triton.jit(do_not_specialize=_PER_SLICE_INTS)
+@triton.jit(do_not_specialize=_PER_SLICE_INTS + _BATCH_INTS)
 def _lora_expand_kernel(
     y_ptr,
     ws_ptr,
@@ -415,7 +418,7 @@ def _lora_expand_kernel(
     )
 
 
-@triton.jit(do_not_specialize=_PER_SLICE_INTS)
+@triton.jit(do_not_specialize=_PER_SLICE_INTS + _BATCH_INTS)
 def _lora_fused_kernel(
     y_ptr,
     x_ptr,

@@ -1,5 +1,5 @@
-"""The fused RMSNorm and rotary kernels against the model's torch code (CPU, under
-TRITON_INTERPRET=1; on a GPU the same tests run compiled)."""
+"""The fused RMSNorm, rotary and SiLU-and-multiply kernels against the model's
+torch code (CPU, under TRITON_INTERPRET=1; on a GPU the same tests run compiled)."""
 
 import importlib
 import os
@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from loraserve.kernels import activation  # noqa: E402
 from loraserve.kernels import fused_norm_rope as fused  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
@@ -21,6 +22,9 @@ from loraserve.model.rope import RotaryEmbedding  # noqa: E402
 
 if not torch.cuda.is_available() and type(fused._rope_kernel).__name__ != "InterpretedFunction":
     fused = importlib.reload(fused)
+if (not torch.cuda.is_available()
+        and type(activation._silu_and_mul_kernel).__name__ != "InterpretedFunction"):
+    activation = importlib.reload(activation)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -71,3 +75,16 @@ def test_rotary_matches_torch(dtype, heads, kv_heads, head_dim):
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(q2, want_q, **tol)
     torch.testing.assert_close(k2, want_k, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [48, 1500])
+def test_silu_and_mul_matches_torch(dtype, width):
+    gen = torch.Generator().manual_seed(width)
+    gate_up = (torch.randn(5, 2 * width, generator=gen) * 3).to(dtype).to(DEVICE)
+    gate, up = gate_up.split(width, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = activation.silu_and_mul(gate_up)
+    # bf16: the CPU interpreter rounds by truncation, up to two ulps off here.
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, want, **tol)

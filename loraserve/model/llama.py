@@ -107,7 +107,12 @@ class MLP(nn.Module):
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:
+            from loraserve.kernels.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -125,10 +125,12 @@ class TritonPagedAttention:
         from loraserve.kernels.paged_attention import paged_attention, write_kv_cache
 
         meta = self.meta
-        write_kv_cache(k.contiguous(), v.contiguous(), kv_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        # q, k and v are strided views of the QKV output; the kernels take strides,
+        # so no copies.
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         paged_attention(
-            q.contiguous(), kv_cache, out, meta.query_start_loc_t, meta.seq_lens_t,
+            q, kv_cache, out, meta.query_start_loc_t, meta.seq_lens_t,
             meta.block_tables_t, scale, sliding_window, max_query_len=meta.max_query_len,
             workspace=self.workspace,
         )

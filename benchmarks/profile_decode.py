@@ -1,0 +1,117 @@
+"""Where a decode step's time goes: the GPU time of one graph replay, the host
+time of each part of an engine step, and the top CUDA kernels of an eager
+forward. For finding overhead, not for headline numbers.
+
+    python benchmarks/profile_decode.py --model /tmp/bench/llama3-8b-shape \
+        --load-format dummy --batch 32 --out /tmp/profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+from pathlib import Path
+
+import torch
+from offline import machine, make_prompts
+
+from loraserve import LLM, SamplingParams
+from loraserve.engine.output_processor import OutputProcessor
+
+
+def graph_replay_ms(llm: LLM, batch: int, reps: int = 50) -> float:
+    graphs = llm.engine.runner.graphs
+    graph, _ = graphs.graphs[(graphs._padded(batch), graphs.cases[0])]
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", required=True)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    llm = LLM(args.model, load_format=args.load_format, max_num_seqs=args.batch)
+    engine = llm.engine
+    results = {"machine": machine(), "batch": args.batch,
+               "weight_dtype": str(next(engine.runner.model.parameters()).dtype),
+               "graph_replay_ms": (graph_replay_ms(llm, args.batch)
+                                   if engine.runner.graphs else None)}
+
+    # Fill the batch and get past the prefill.
+    vocab = llm.config.model_config.hf_config.vocab_size
+    processor = OutputProcessor(llm.tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps * 4, ignore_eos=True)
+    for i, prompt in enumerate(make_prompts(args.batch, 64, vocab)):
+        for ecr in processor.add_request(str(i), None, prompt["prompt_token_ids"], params,
+                                         None, None):
+            engine.add_request(ecr)
+    for _ in range(3):
+        processor.process_outputs(engine.step().outputs)
+
+    # Host-timed parts of a step.
+    step_s = proc_s = 0.0
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        out = engine.step()
+        t1 = time.perf_counter()
+        processor.process_outputs(out.outputs)
+        step_s += t1 - t0
+        proc_s += time.perf_counter() - t1
+    results["engine_step_ms"] = 1e3 * step_s / args.steps
+    results["output_processing_ms"] = 1e3 * proc_s / args.steps
+
+    # Python hotspots of whole steps.
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.steps):
+        processor.process_outputs(engine.step().outputs)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    (args.out / "cprofile.txt").write_text(text.getvalue())
+
+    # CUDA kernels of steps (graph replay kernels show when CUPTI traces graphs).
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    sort_key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    with profile(activities=activities) as tprof:
+        for _ in range(5):
+            processor.process_outputs(engine.step().outputs)
+    (args.out / "torch_profile.txt").write_text(
+        tprof.key_averages().table(sort_by=sort_key, row_limit=40))
+
+    # The same decode forward eagerly, to see every kernel.
+    runner = engine.runner
+    graphs_saved, runner.graphs = runner.graphs, None
+    with profile(activities=activities) as eprof:
+        for _ in range(3):
+            processor.process_outputs(engine.step().outputs)
+    runner.graphs = graphs_saved
+    (args.out / "eager_profile.txt").write_text(
+        eprof.key_averages().table(sort_by=sort_key, row_limit=40))
+    print(json.dumps(results, indent=2))
+    (args.out / "profile.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
