@@ -145,6 +145,12 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="Also capture CUDA graphs without the LoRA ops, for steps that use no adapter "
         "(by default one graph set serves both).",
     )
+    engine.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="Schedule and launch each step before the previous step's tokens are back on "
+        "the host, so scheduling overlaps the GPU (default: on). Steps with requests that "
+        "use repetition, frequency or presence penalties wait for them as before.",
+    )
     engine.add_argument("--seed", type=int, default=0, help="Random seed (default: 0).")
     engine.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"],
@@ -207,6 +213,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "enforce_eager": args.enforce_eager,
         "specialize_active_lora": args.specialize_active_lora or None,
+        "async_scheduling": args.async_scheduling,
         "load_format": args.load_format,
         "enable_lora": args.enable_lora,
         "max_loras": args.max_loras,

@@ -76,6 +76,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # CUDA graphs: also capture a no-LoRA set (see worker/cuda_graphs.py).
     specialize_active_lora: bool = False
+    # Schedule and launch step N+1 before reading step N's tokens back, so host
+    # work overlaps the device (see engine/engine_core.py).
+    async_scheduling: bool = True
 
     @classmethod
     def from_kwargs(
@@ -102,6 +105,7 @@ class EngineConfig:
         lora_dtype: str = "auto",
         lora_target_modules: list[str] | None = None,
         specialize_active_lora: bool = False,
+        async_scheduling: bool = True,
     ) -> EngineConfig:
         """Build and validate a config from vLLM-style keyword arguments."""
         from transformers import AutoConfig
@@ -191,6 +195,7 @@ class EngineConfig:
             device=dev,
             enforce_eager=enforce_eager,
             specialize_active_lora=specialize_active_lora,
+            async_scheduling=async_scheduling,
         )
 
 

@@ -175,7 +175,8 @@ class EngineCoreProc:
             if busy:
                 outputs = self.core.step()
                 self._send_outputs(outputs, force=bool(outputs.outputs))
-                timeout = 0 if outputs.outputs else _EMPTY_STEP_POLL_MS
+                busy_next = outputs.outputs or self.core.has_step_in_flight
+                timeout = 0 if busy_next else _EMPTY_STEP_POLL_MS
             else:
                 # Going idle: report it at once so running/waiting gauges drop to 0.
                 self._send_outputs(None, force=self._was_busy)

@@ -1,10 +1,19 @@
 """The engine core: takes requests and aborts, schedules each step, runs the
-worker, and returns each request's new tokens. Synchronous and single-threaded;
-the ZMQ process (core_proc) and the offline LLM both drive it."""
+worker, and returns each request's new tokens. Single-threaded; the ZMQ process
+(core_proc) and the offline LLM both drive it.
+
+With async scheduling a step call schedules and launches step N, and only then
+reads back step N-1's tokens: the host's scheduling, input building and output
+handling run while the device computes. A token still in flight counts in its
+request's length (`Request.num_pending`) and the model runner takes it from the
+previous step's ids on the device. The cost: a request that stops on EOS or a
+stop token has already been given one more step, whose token is dropped.
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -17,13 +26,13 @@ from loraserve.engine.protocol import (
     FinishReason,
     SchedulerStats,
 )
-from loraserve.engine.request import Request
+from loraserve.engine.request import Request, RequestStatus
 from loraserve.engine.scheduler import Scheduler, SchedulerOutput
 from loraserve.lora.peft_adapter import LoRAModel
 from loraserve.lora.request import LoRARequest
 from loraserve.worker.input_batch import SeqInput, StepInput
 from loraserve.worker.model_runner import ModelRunner
-from loraserve.worker.sampler import SamplingRow
+from loraserve.worker.sampler import SampledBatch, SamplingRow
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +47,8 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         # Outputs produced outside a model step (failed adapter loads, aborts).
         self._pending: list[EngineCoreOutput] = []
+        # Async scheduling: the launched step whose tokens are not read back yet.
+        self._in_flight: _LaunchedStep | None = None
         logger.info(
             "engine ready: %d KV blocks of %d tokens", self.kv.num_blocks, self.kv.block_size
         )
@@ -88,8 +99,12 @@ class EngineCore:
             if req is not None:
                 self.scheduler.finish(req)
 
+    @property
+    def has_step_in_flight(self) -> bool:
+        return self._in_flight is not None
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending)
+        return bool(self.requests) or bool(self._pending) or self._in_flight is not None
 
     # ---- adapters ------------------------------------------------------------------
 
@@ -137,6 +152,9 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         outputs = self._pending
         self._pending = []
+        if self._in_flight is not None and not self._can_overlap():
+            outputs += self._finish(self._in_flight)
+            self._in_flight = None
         ready: set[str] = set()
         if self.lora_manager is not None:
             busy = self.scheduler.running_loras()
@@ -150,12 +168,26 @@ class EngineCore:
         sched = self.scheduler.schedule(ready)
         for lora_request in sched.loras_to_load:
             self.lora_manager.start_background_load(lora_request)
-        if sched.scheduled:
-            outputs += self._run(sched)
+        launched = self._launch(sched) if sched.scheduled else None
+        if self._in_flight is not None:
+            outputs += self._finish(self._in_flight)
+            self._in_flight = None
+        if launched is not None:
+            if self.config.async_scheduling:
+                self._in_flight = launched
+            else:
+                outputs += self._finish(launched)
         return EngineCoreOutputs(outputs=outputs, stats=self.get_stats())
 
-    def _run(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
+    def _can_overlap(self) -> bool:
+        """Penalties read a request's whole output: those steps wait for the last one."""
+        if not self.config.async_scheduling:
+            return False
+        return not any(_has_penalties(r.sampling_params) for r in self.scheduler.running)
+
+    def _launch(self, sched: SchedulerOutput) -> _LaunchedStep:
         seqs = []
+        sampled_reqs = []
         for req, n in sched.scheduled:
             start = req.num_computed_tokens
             samples = start + n == req.num_tokens
@@ -167,25 +199,31 @@ class EngineCore:
                 lora_name=req.lora_name,
                 sampling=SamplingRow(
                     req.sampling_params, req.prompt_token_ids, req.output_token_ids,
-                    req.eos_token_id, req.generator,
+                    req.eos_token_id, req.generator, req.num_pending,
                 ) if samples else None,
             ))
+            req.num_computed_tokens += n
+            if samples:
+                req.num_pending += 1
+                sampled_reqs.append(req)
         step = StepInput(seqs)
         slots = (
             self.lora_manager.set_active(step.lora_names(), self.scheduler.running_loras())
             if self.lora_manager else {}
         )
-        result = self.runner.execute(step, slots)
+        return _LaunchedStep(sampled_reqs, self.runner.launch(step, slots))
 
+    def _finish(self, launched: _LaunchedStep) -> list[EngineCoreOutput]:
+        """Read a launched step's tokens back and hand them to their requests."""
+        if launched.batch is None:
+            return []
+        result = launched.batch.to_host()
         outputs = []
-        sample_idx = 0
-        for req, n in sched.scheduled:
-            req.num_computed_tokens += n
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk; more of the prompt next step
-            token = result.token_ids[sample_idx]
-            logprobs = result.logprobs[sample_idx]
-            sample_idx += 1
+        for req, token, logprobs in zip(launched.requests, result.token_ids, result.logprobs,
+                                        strict=True):
+            req.num_pending -= 1
+            if req.status == RequestStatus.FINISHED:
+                continue  # aborted, failed, or stopped while this step ran
             req.output_token_ids.append(token)
             finish, stop_reason = self._check_stop(req, token)
             outputs.append(EngineCoreOutput(
@@ -203,7 +241,7 @@ class EngineCore:
 
     def _check_stop(self, req: Request, token: int) -> tuple[FinishReason | None, int | None]:
         params = req.sampling_params
-        num_out = len(req.output_token_ids)
+        num_out = len(req.output_token_ids)  # a token in flight does not count yet
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token == req.eos_token_id:
                 return FinishReason.STOP, None
@@ -211,7 +249,7 @@ class EngineCore:
                 return FinishReason.STOP, token
         if params.max_tokens is not None and num_out >= params.max_tokens:
             return FinishReason.LENGTH, None
-        if req.num_tokens >= self.config.scheduler_config.max_model_len:
+        if len(req.prompt_token_ids) + num_out >= self.config.scheduler_config.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
 
@@ -248,3 +286,14 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.lora_manager is not None:
             self.lora_manager.shutdown()
+
+
+@dataclass
+class _LaunchedStep:
+    requests: list[Request]  # those that sample, in the batch's row order
+    batch: SampledBatch | None
+
+
+def _has_penalties(params) -> bool:
+    return (params.repetition_penalty != 1.0 or bool(params.frequency_penalty)
+            or bool(params.presence_penalty))

@@ -11,6 +11,10 @@ from loraserve.engine.protocol import EngineCoreRequest, FinishReason
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams
 
+# Stands for a token sampled by the step in flight; the model runner fills it in
+# on the device from that step's sampled ids.
+PENDING_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
@@ -34,6 +38,9 @@ class Request:
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Sampled tokens still on their way back from the device (async scheduling):
+    # they count in num_tokens, and the next step reads them on the device.
+    num_pending: int = 0
 
     @classmethod
     def from_engine_request(cls, req: EngineCoreRequest) -> Request:
@@ -52,10 +59,16 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
 
     def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end); a pending token reads as PENDING_TOKEN."""
         prompt_len = len(self.prompt_token_ids)
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        known = (self.prompt_token_ids + self.output_token_ids)[start:end]
+        return known + [PENDING_TOKEN] * (end - start - len(known))

@@ -68,6 +68,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending and self._ends_by_length(req):
+                # Its token in flight is its last one: nothing more to compute.
+                i += 1
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
                 # Out of blocks: preempt the lowest-priority (latest) running request.
@@ -88,6 +92,10 @@ class Scheduler:
         to_load: dict[str, LoRARequest] = {}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
+            if req.num_pending:
+                # Preempted with a token in flight: it can restart once that is back.
+                skipped.append(req)
+                continue
             name = req.lora_name
             if name is not None:
                 if name not in ready_loras:
@@ -114,6 +122,11 @@ class Scheduler:
         # Requests that could not go this step keep their places at the front.
         self.waiting.extendleft(reversed(skipped))
         out.loras_to_load = list(to_load.values())
+
+    def _ends_by_length(self, req: Request) -> bool:
+        max_tokens = req.sampling_params.max_tokens
+        return ((max_tokens is not None and req.num_output_tokens >= max_tokens)
+                or req.num_tokens >= self.config.max_model_len)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

@@ -40,7 +40,8 @@ class PunicaWrapper:
         n = len(token_slots)
         if n > self.token_slots.numel():
             raise ValueError(f"{n} tokens exceed the punica buffer of {self.token_slots.numel()}")
-        slots = torch.tensor(token_slots, dtype=torch.int32)
+        slots = torch.tensor(token_slots, dtype=torch.int32,
+                             pin_memory=self.device.type == "cuda")
         self.any_lora = bool((slots >= 0).any())
         if self.meta is not None:
             self.token_slots[:n].copy_(slots, non_blocking=True)

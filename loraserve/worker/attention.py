@@ -32,14 +32,12 @@ class AttentionMetadata:
     max_query_len: int | None = None
 
 
-def block_table_tensor(block_tables: list[list[int]]) -> torch.Tensor:
+def block_table_tensor(block_tables: list[list[int]], pin_memory: bool = False) -> torch.Tensor:
     """Block tables as one int32 [B, longest] host tensor, rows padded with block 0
     (kernels read only the blocks below each sequence's length)."""
     width = max(len(b) for b in block_tables)
-    table = torch.zeros(len(block_tables), width, dtype=torch.int32)
-    for i, blocks in enumerate(block_tables):
-        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-    return table
+    rows = [b + [0] * (width - len(b)) for b in block_tables]
+    return torch.tensor(rows, dtype=torch.int32, pin_memory=pin_memory)
 
 
 def allocate_kv_cache(

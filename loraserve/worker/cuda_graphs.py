@@ -115,20 +115,25 @@ class DecodeGraphs:
             case = any(s >= 0 for s in inputs.token_lora_slots)
         else:
             case = self.cases[0]
-        dev = self.runner.device
-        self.input_ids[:n].copy_(torch.tensor(inputs.input_ids), non_blocking=True)
-        self.positions[:n].copy_(torch.tensor(inputs.positions), non_blocking=True)
-        self.slot_mapping[:n].copy_(torch.tensor(inputs.slot_mapping), non_blocking=True)
+        runner = self.runner
+        pin = runner.pin_memory
+
+        def put(buffer: torch.Tensor, values: list[int]) -> None:
+            host = torch.tensor(values, dtype=buffer.dtype, pin_memory=pin)
+            buffer[:n].copy_(host, non_blocking=True)
+
+        put(self.input_ids, inputs.input_ids)
+        runner.fill_pending(self.input_ids, inputs)
+        put(self.positions, inputs.positions)
+        put(self.slot_mapping, inputs.slot_mapping)
         self.slot_mapping[n:bs].fill_(-1)
-        self.seq_lens[:n].copy_(torch.tensor(inputs.seq_lens, dtype=torch.int32),
-                                non_blocking=True)
+        put(self.seq_lens, inputs.seq_lens)
         self.seq_lens[n:bs].fill_(1)
-        table = block_table_tensor(inputs.block_tables)
-        self.block_tables[:n, : table.shape[1]].copy_(table.to(dev))
+        table = block_table_tensor(inputs.block_tables, pin)
+        self.block_tables[:n, : table.shape[1]].copy_(table, non_blocking=True)
         if case:
-            slots = self.runner.punica.token_slots
-            slots[:n].copy_(torch.tensor(inputs.token_lora_slots, dtype=torch.int32),
-                            non_blocking=True)
+            slots = runner.punica.token_slots
+            put(slots, inputs.token_lora_slots)
             slots[n:bs].fill_(-1)
         graph, logits = self.graphs[(bs, case)]
         graph.replay()

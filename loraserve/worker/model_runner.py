@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from loraserve.config import EngineConfig
+from loraserve.engine.request import PENDING_TOKEN
 from loraserve.lora.manager import LoRAManager
 from loraserve.lora.punica import PunicaWrapper
 from loraserve.model.registry import build_model
@@ -29,7 +30,7 @@ from loraserve.worker.attention import (
     kv_block_bytes,
 )
 from loraserve.worker.input_batch import StepInput
-from loraserve.worker.sampler import Sampler, SamplerOutput
+from loraserve.worker.sampler import SampledBatch, Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,10 @@ class PreparedInputs:
     token_lora_slots: list[int]
     sample_indices: list[int]
     is_decode: bool  # one token per sequence, every sequence samples
+    # Pending tokens (async scheduling): where each goes in input_ids, and its
+    # row in the previous step's sampled ids, which are still on the device.
+    pending_dst: list[int] = field(default_factory=list)
+    pending_src: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -87,6 +92,12 @@ class ModelRunner:
             self.attn_workspace = make_workspace(hf.num_attention_heads, self.head_dim,
                                                  self.device)
         self.sampler = Sampler(self.device, mc.seed)
+        # Host inputs go through pinned memory: a copy from pageable memory may
+        # wait for the step already running on the device.
+        self.pin_memory = self.device.type == "cuda"
+        # The last step's sampled ids on the device, and each request's row there.
+        self._last_sampled: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
 
         # A scratch KV cache of one block serves the profiling pass.
         self.kv_caches = allocate_kv_cache(
@@ -174,6 +185,9 @@ class ModelRunner:
         inputs = PreparedInputs([], [], [], [0], [], [], [], [], True)
         for seq in step.seqs:
             n = len(seq.token_ids)
+            if seq.token_ids[-1] == PENDING_TOKEN:
+                inputs.pending_dst.append(len(inputs.input_ids) + n - 1)
+                inputs.pending_src.append(self._last_rows[seq.request_id])
             inputs.input_ids.extend(seq.token_ids)
             pos = range(seq.start_pos, seq.start_pos + n)
             inputs.positions.extend(pos)
@@ -189,47 +203,61 @@ class ModelRunner:
                 inputs.is_decode = False
         return inputs
 
-    @torch.no_grad()
     def execute(self, step: StepInput, lora_slots: dict[str, int]) -> SamplerOutput:
+        batch = self.launch(step, lora_slots)
+        return batch.to_host() if batch is not None else SamplerOutput([], [])
+
+    @torch.no_grad()
+    def launch(self, step: StepInput, lora_slots: dict[str, int]) -> SampledBatch | None:
+        """Queue the step's forward pass and sampling on the device without
+        waiting for them; None when no sequence samples this step."""
         inputs = self.prepare(step, lora_slots)
-        rows = [s.sampling for s in step.seqs if s.sampling is not None]
+        sampling = [s for s in step.seqs if s.sampling is not None]
         if self.graphs is not None and inputs.is_decode and self.graphs.fits(len(step.seqs)):
             logits = self.graphs.run(inputs)
         else:
             hidden = self._forward_eager(inputs)
-            if not inputs.sample_indices:
-                return SamplerOutput([], [])
-            index = torch.tensor(inputs.sample_indices, device=self.device)
-            logits = self.model.compute_logits(hidden[index])
-        return self.sampler(logits, rows)
+            if not sampling:
+                self._last_sampled, self._last_rows = None, {}
+                return None
+            logits = self.model.compute_logits(hidden[self.to_device(inputs.sample_indices)])
+        batch = self.sampler.sample(logits, [s.sampling for s in sampling])
+        self._last_sampled = batch.token_ids
+        self._last_rows = {s.request_id: i for i, s in enumerate(sampling)}
+        return batch
+
+    def to_device(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+        host = torch.tensor(values, dtype=dtype, pin_memory=self.pin_memory)
+        return host.to(self.device, non_blocking=True)
+
+    def fill_pending(self, input_ids: torch.Tensor, inputs: PreparedInputs) -> None:
+        """Put the tokens the previous step sampled, still on the device, in place."""
+        if inputs.pending_dst:
+            input_ids[self.to_device(inputs.pending_dst)] = self._last_sampled[
+                self.to_device(inputs.pending_src)]
 
     def _forward_eager(self, inputs: PreparedInputs) -> torch.Tensor:
-        dev = self.device
         self.punica.update_mapping(inputs.token_lora_slots)
         meta = self.attention_metadata(inputs)
         attn = (TritonPagedAttention(meta, self.attn_workspace) if self.use_triton
                 else TorchPagedAttention(meta))
-        return self.model(
-            torch.tensor(inputs.input_ids, dtype=torch.long).to(dev, non_blocking=True),
-            torch.tensor(inputs.positions, dtype=torch.long).to(dev, non_blocking=True),
-            self.kv_caches,
-            attn,
-        )
+        input_ids = self.to_device(inputs.input_ids)
+        self.fill_pending(input_ids, inputs)
+        return self.model(input_ids, self.to_device(inputs.positions), self.kv_caches, attn)
 
     def attention_metadata(self, inputs: PreparedInputs) -> AttentionMetadata:
-        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(inputs.slot_mapping, dtype=torch.long).to(dev),
+            slot_mapping=self.to_device(inputs.slot_mapping),
             query_start_loc=inputs.query_start_loc,
             seq_lens=inputs.seq_lens,
             block_tables=inputs.block_tables,
             block_size=self.block_size,
         )
         if self.use_triton:
-            meta.block_tables_t = block_table_tensor(inputs.block_tables).to(dev)
-            meta.query_start_loc_t = torch.tensor(inputs.query_start_loc,
-                                                  dtype=torch.int32).to(dev)
-            meta.seq_lens_t = torch.tensor(inputs.seq_lens, dtype=torch.int32).to(dev)
+            meta.block_tables_t = block_table_tensor(
+                inputs.block_tables, self.pin_memory).to(self.device, non_blocking=True)
+            meta.query_start_loc_t = self.to_device(inputs.query_start_loc, torch.int32)
+            meta.seq_lens_t = self.to_device(inputs.seq_lens, torch.int32)
             meta.max_query_len = max(
                 b - a for a, b in zip(inputs.query_start_loc, inputs.query_start_loc[1:],
                                       strict=False)

@@ -3,7 +3,8 @@
 Order as in vLLM: raw logprobs, penalties, min_tokens masking, then greedy rows
 take the argmax and the others go through temperature, top-k, top-p and min-p
 before a draw. Everything is batched tensor work on the logits' device; the only
-host synchronisation is reading back the sampled ids (and logprobs if asked).
+host synchronisation is reading back the sampled ids (and logprobs if asked),
+which `SampledBatch.to_host` may put off until after the next step is launched.
 A request with a seed draws from its own generator, so its tokens do not depend
 on what else is in the batch.
 """
@@ -24,6 +25,9 @@ class SamplingRow:
     output_token_ids: list[int]
     eos_token_id: int | None
     generator: torch.Generator | None
+    # Tokens sampled for this request but not yet in output_token_ids (async
+    # scheduling); they count towards min_tokens.
+    num_pending: int = 0
 
 
 @dataclass
@@ -33,13 +37,55 @@ class SamplerOutput:
     logprobs: list[list[tuple[int, float]] | None]
 
 
+@dataclass
+class SampledBatch:
+    """One step's sampled ids (and logprobs) on their way to the host: the copies
+    are queued behind the step on the device, so the host can prepare and launch
+    the next step before it reads them with `to_host`."""
+
+    token_ids: torch.Tensor  # [B], on the device; the next step may read it there
+    host_ids: torch.Tensor
+    num_logprobs: list[int | None]
+    chosen: torch.Tensor | None = None  # [B] logprob of each sampled id
+    top_ids: torch.Tensor | None = None  # [B, n]
+    top_vals: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+
+    def to_host(self) -> SamplerOutput:
+        if self.ready is not None:
+            self.ready.synchronize()
+        sampled = self.host_ids.tolist()
+        logprobs: list[list[tuple[int, float]] | None] = [None] * len(sampled)
+        if self.chosen is not None:
+            chosen = self.chosen.tolist()
+            top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+            top_vals = self.top_vals.tolist() if self.top_vals is not None else None
+            for i, n in enumerate(self.num_logprobs):
+                if n is None:
+                    continue
+                entry = [(sampled[i], chosen[i])]
+                if n:
+                    entry += list(zip(top_ids[i][:n], top_vals[i][:n], strict=True))
+                logprobs[i] = entry
+        return SamplerOutput(sampled, logprobs)
+
+
+def _to_host_async(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_cuda:
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        return self.sample(logits, rows).to_host()
+
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledBatch:
         logits = logits.float()
         num_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = (
@@ -57,23 +103,18 @@ class Sampler:
                 torch.tensor([r.params.greedy for r in rows], device=logits.device),
                 greedy_ids, self._draw(logits, rows),
             )
-
-        sampled = token_ids.tolist()
-        logprobs: list[list[tuple[int, float]] | None] = [None] * len(rows)
+        batch = SampledBatch(token_ids, _to_host_async(token_ids), num_logprobs)
         if raw_logprobs is not None:
             top_n = max(n or 0 for n in num_logprobs)
-            chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
-            top = torch.topk(raw_logprobs, top_n) if top_n else None
-            top_ids = top.indices.tolist() if top else None
-            top_vals = top.values.tolist() if top else None
-            for i, n in enumerate(num_logprobs):
-                if n is None:
-                    continue
-                entry = [(sampled[i], chosen[i])]
-                if n:
-                    entry += list(zip(top_ids[i][:n], top_vals[i][:n], strict=True))
-                logprobs[i] = entry
-        return SamplerOutput(sampled, logprobs)
+            batch.chosen = _to_host_async(raw_logprobs.gather(1, token_ids[:, None]).squeeze(1))
+            if top_n:
+                top = torch.topk(raw_logprobs, top_n)
+                batch.top_ids = _to_host_async(top.indices)
+                batch.top_vals = _to_host_async(top.values)
+        if token_ids.is_cuda:
+            batch.ready = torch.cuda.Event()
+            batch.ready.record()
+        return batch
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         dev = logits.device
@@ -147,7 +188,7 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     rows_idx, cols = [], []
     for i, row in enumerate(rows):
         p = row.params
-        if len(row.output_token_ids) >= p.min_tokens:
+        if len(row.output_token_ids) + row.num_pending >= p.min_tokens:
             continue
         stop_ids = list(p.stop_token_ids or [])
         if row.eos_token_id is not None and not p.ignore_eos:
