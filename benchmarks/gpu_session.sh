@@ -59,10 +59,12 @@ if has decode32; then
       --max-num-seqs 32 --input-len 64 --output-len 512 \
       --json "$OUT/decode32.json" > "$OUT/decode32.log" 2>&1
   echo "decode32 rc=$?" >> "$OUT/decode32.log"
-  (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 peft_baseline.py --model $MODEL \
-      --num-requests 32 --batch-size 32 --input-len 64 --output-len 512 --no-lora \
-      --json "$OUT/decode32_peft.json") > "$OUT/decode32_peft.log" 2>&1
-  echo "decode32 peft rc=$?" >> "$OUT/decode32_peft.log"
+  if [ "${PEFT:-1}" = 1 ]; then
+    (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 peft_baseline.py --model $MODEL \
+        --num-requests 32 --batch-size 32 --input-len 64 --output-len 512 --no-lora \
+        --json "$OUT/decode32_peft.json") > "$OUT/decode32_peft.log" 2>&1
+    echo "decode32 peft rc=$?" >> "$OUT/decode32_peft.log"
+  fi
 fi
 
 if has offline; then
