@@ -88,7 +88,7 @@ if has serve; then
   stamp serve
   mods=()
   for d in "$ADAPTERS"/*/; do n=$(basename "$d"); mods+=("$n=$d"); done
-  loraserve serve $MODEL --load-format dummy --enable-lora --max-loras 8 --max-lora-rank 16 \
+  python3 -m loraserve.cli serve $MODEL --load-format dummy --enable-lora --max-loras 8 --max-lora-rank 16 \
       --max-cpu-loras 64 --port 8011 --lora-modules "${mods[@]}" > "$OUT/server.log" 2>&1 &
   server=$!
   for _ in $(seq 300); do
@@ -97,7 +97,7 @@ if has serve; then
   bench() {  # name, then serve.py arguments
     local name=$1; shift
     stamp "serve $name"
-    timeout 240 python3 benchmarks/serve.py http://127.0.0.1:8011 --input-len 512 \
+    timeout 120 python3 benchmarks/serve.py http://127.0.0.1:8011 --input-len 512 \
         --output-len 128 --json "$OUT/serve_$name.json" "$@" > "$OUT/serve_$name.log" 2>&1
     echo "rc=$?" >> "$OUT/serve_$name.log"
   }
