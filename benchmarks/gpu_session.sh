@@ -5,6 +5,7 @@
 #   STAGES="tests profile decode32" bash benchmarks/gpu_session.sh
 # Stages:
 #   tests     the gpu-marked tests
+#   tune      tune LoRA kernel configs (TUNE_CLASSES, TUNE_TOKENS) into the table
 #   profile   where a batch-32 decode step's time goes (profile_decode.py)
 #   decode32  base decode at batch 32 (offline.py), and the same through PEFT
 #   offline   LoRA vs base offline throughput, 32 rank-16 adapters, 256 requests
@@ -36,6 +37,18 @@ if has tests; then
       tests/test_kernels_gpu.py tests/test_paged_attention_gpu.py \
       tests/test_fused_norm_rope.py > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?" >> "$OUT/gpu_tests.log"
+fi
+
+if has tune; then
+  # Tune the LoRA launch configs of the named classes and T buckets into the
+  # table the kernels read (kept entries: --merge), before the benchmarks run.
+  stamp tune
+  timeout "${TUNE_TIMEOUT:-150}" python3 benchmarks/tune_kernels.py --merge \
+      --out kernels/configs/NVIDIA_H200.json --classes ${TUNE_CLASSES:-gate_up down} \
+      --tokens ${TUNE_TOKENS:-256 1024 4096} --ranks 16 --budget-s "${TUNE_BUDGET:-110}" \
+      > "$OUT/tune.log" 2>&1
+  echo "tune rc=$?" >> "$OUT/tune.log"
+  cp kernels/configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
 fi
 
 if has profile || has decode32 || has offline || has startup || has serve; then

@@ -25,12 +25,12 @@ from loraserve.kernels import LoRAMetadata
 from loraserve.kernels import lora_config as lc
 from loraserve.kernels.lora_ops import launch_expand, launch_fused, launch_shrink
 
-SHRINK_CLASSES = [
-    (4096, [4096, 1024, 1024]),
-    (4096, [4096]),
-    (4096, [14336, 14336]),
-    (14336, [4096]),
-]
+SHRINK_CLASSES = {
+    "qkv": (4096, [4096, 1024, 1024]),
+    "o": (4096, [4096]),
+    "gate_up": (4096, [14336, 14336]),
+    "down": (14336, [4096]),
+}
 TOKENS = [1, 16, 64, 256, 1024, 4096]
 RANKS = [16, 64]
 NUM_SLOTS = 32
@@ -144,9 +144,19 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--budget-s", type=float, default=300.0, help="stop starting new classes")
+    p.add_argument("--classes", nargs="+", choices=list(SHRINK_CLASSES),
+                   default=list(SHRINK_CLASSES))
+    p.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
+    p.add_argument("--ranks", nargs="+", type=int, default=RANKS)
+    p.add_argument("--merge", action="store_true",
+                   help="keep the entries already in --out that this run does not tune")
     args = p.parse_args()
     t_start = time.time()
     result = {"device": torch.cuda.get_device_name(), "shrink": {}, "expand": {}, "fused": {}}
+    if args.merge and Path(args.out).is_file():
+        old = json.loads(Path(args.out).read_text())
+        for kind in ("shrink", "expand", "fused"):
+            result[kind].update(old.get(kind, {}))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -156,9 +166,9 @@ def main() -> int:
 
     done_expand = set()
     # Rank 16 first: it carries the targets; rank 64 if the budget allows.
-    for r in RANKS:
-        for k, widths in SHRINK_CLASSES:
-            for t in TOKENS:
+    for r in args.ranks:
+        for k, widths in (SHRINK_CLASSES[c] for c in args.classes):
+            for t in args.tokens:
                 if time.time() - t_start > args.budget_s:
                     print("budget spent; stopping", flush=True)
                     save()
@@ -178,7 +188,7 @@ def main() -> int:
                 result["shrink"][lc.shrink_key(t, k, r, ns)] = sbest
                 ekey = lc.expand_key(t, n_total, r)
                 msg = f"R{r} K{k} N{n_total} T{t}: shrink+expand {s_def:.1f} -> {st:.1f} us"
-                if ekey not in done_expand:
+                if ekey not in done_expand:  # shared by classes of one N: tune it once
                     ebest, et, e_def = descend(
                         e0,
                         EXPAND_SPACE,
