@@ -164,7 +164,9 @@ def main() -> int:
         result["elapsed_s"] = round(time.time() - t_start)
         out.write_text(json.dumps(result, indent=1, sort_keys=True))
 
-    done_expand = set()
+    # An expand config is shared by every class of one N (o_proj and down_proj):
+    # tune it once, and with --merge keep the one the table has.
+    done_expand = set(result["expand"]) if args.merge else set()
     # Rank 16 first: it carries the targets; rank 64 if the budget allows.
     for r in args.ranks:
         for k, widths in (SHRINK_CLASSES[c] for c in args.classes):
@@ -188,7 +190,7 @@ def main() -> int:
                 result["shrink"][lc.shrink_key(t, k, r, ns)] = sbest
                 ekey = lc.expand_key(t, n_total, r)
                 msg = f"R{r} K{k} N{n_total} T{t}: shrink+expand {s_def:.1f} -> {st:.1f} us"
-                if ekey not in done_expand:  # shared by classes of one N: tune it once
+                if ekey not in done_expand:
                     ebest, et, e_def = descend(
                         e0,
                         EXPAND_SPACE,
