@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from transformers import AutoTokenizer
 
-from loraserve.engine.detokenizer import IncrementalDetokenizer
+from loraserve.engine.detokenizer import IncrementalDetokenizer, _backend_decoder
 
 
-def test_incremental_text_equals_full_decode(llama_dir):
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_incremental_text_equals_full_decode(llama_dir, clean_up):
     tok = AutoTokenizer.from_pretrained(llama_dir)
+    # Without the clean-up pass the Rust decoder is called directly; with it,
+    # transformers' decode.
+    tok.clean_up_tokenization_spaces = clean_up
+    assert (_backend_decoder(tok) is None) == clean_up
     rng = random.Random(0)
     text = "Paged attention keeps the key value cache: héllo wörld ✓ 1 2 3. "
     ids = tok(text * 3).input_ids

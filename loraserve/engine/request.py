@@ -70,5 +70,7 @@ class Request:
         prompt_len = len(self.prompt_token_ids)
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
-        known = (self.prompt_token_ids + self.output_token_ids)[start:end]
+        # Slice each list rather than join them: a decode step asks for one token.
+        known = self.prompt_token_ids[start:] if start < prompt_len else []
+        known += self.output_token_ids[max(0, start - prompt_len):end - prompt_len]
         return known + [PENDING_TOKEN] * (end - start - len(known))
