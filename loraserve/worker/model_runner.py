@@ -30,7 +30,7 @@ from loraserve.worker.attention import (
     kv_block_bytes,
 )
 from loraserve.worker.input_batch import StepInput
-from loraserve.worker.sampler import SampledBatch, Sampler, SamplerOutput
+from loraserve.worker.sampler import SampledBatch, Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -202,10 +202,6 @@ class ModelRunner:
             if n != 1 or seq.sampling is None:
                 inputs.is_decode = False
         return inputs
-
-    def execute(self, step: StepInput, lora_slots: dict[str, int]) -> SamplerOutput:
-        batch = self.launch(step, lora_slots)
-        return batch.to_host() if batch is not None else SamplerOutput([], [])
 
     @torch.no_grad()
     def launch(self, step: StepInput, lora_slots: dict[str, int]) -> SampledBatch | None:
