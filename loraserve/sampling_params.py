@@ -68,6 +68,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 raise ValueError(message)
 
     @property
+    def uses_penalties(self) -> bool:
+        """Repetition, frequency or presence penalties: they read the whole output."""
+        return (self.repetition_penalty != 1.0 or bool(self.frequency_penalty)
+                or bool(self.presence_penalty))
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 

@@ -114,14 +114,14 @@ def test_penalties_follow_their_definitions():
     # Repetition penalty divides positive and multiplies negative logits of seen tokens.
     row = SamplingRow(SamplingParams(temperature=0, repetition_penalty=2.0), [0], [1],
                       None, None)
-    assert sampler(logits, [row]).token_ids == [3]  # 2.0/2 = 1.0 < 1.9
+    assert sampler.sample(logits, [row]).to_host().token_ids == [3]  # 2.0/2 = 1.0 < 1.9
     # Frequency penalty counts repeats in the output; presence penalty is once.
     row = SamplingRow(SamplingParams(temperature=0, frequency_penalty=0.2), [], [0, 0],
                       None, None)
-    assert sampler(logits, [row]).token_ids == [3]  # 2.0 - 0.4 < 1.9
+    assert sampler.sample(logits, [row]).to_host().token_ids == [3]  # 2.0 - 0.4 < 1.9
     row = SamplingRow(SamplingParams(temperature=0, presence_penalty=0.05), [], [0, 0],
                       None, None)
-    assert sampler(logits, [row]).token_ids == [0]  # 2.0 - 0.05 > 1.9
+    assert sampler.sample(logits, [row]).to_host().token_ids == [0]  # 2.0 - 0.05 > 1.9
 
 
 def test_top_p_and_min_p_remove_the_tail():
@@ -131,7 +131,7 @@ def test_top_p_and_min_p_remove_the_tail():
         seen = set()
         for seed in range(200):
             sampler = Sampler(torch.device("cpu"), seed=seed)
-            seen |= set(sampler(logits, [_row(temperature=1.0, **kw)]).token_ids)
+            seen |= set(sampler.sample(logits, [_row(temperature=1.0, **kw)]).to_host().token_ids)
         assert seen == allowed, kw
 
 

@@ -183,7 +183,7 @@ class EngineCore:
         """Penalties read a request's whole output: those steps wait for the last one."""
         if not self.config.async_scheduling:
             return False
-        return not any(_has_penalties(r.sampling_params) for r in self.scheduler.running)
+        return not any(r.sampling_params.uses_penalties for r in self.scheduler.running)
 
     def _launch(self, sched: SchedulerOutput) -> _LaunchedStep:
         seqs = []
@@ -247,9 +247,7 @@ class EngineCore:
                 return FinishReason.STOP, None
             if params.stop_token_ids and token in params.stop_token_ids:
                 return FinishReason.STOP, token
-        if params.max_tokens is not None and num_out >= params.max_tokens:
-            return FinishReason.LENGTH, None
-        if len(req.prompt_token_ids) + num_out >= self.config.scheduler_config.max_model_len:
+        if req.at_length_limit(num_out, self.config.scheduler_config.max_model_len):
             return FinishReason.LENGTH, None
         return None, None
 
@@ -292,8 +290,3 @@ class EngineCore:
 class _LaunchedStep:
     requests: list[Request]  # those that sample, in the batch's row order
     batch: SampledBatch | None
-
-
-def _has_penalties(params) -> bool:
-    return (params.repetition_penalty != 1.0 or bool(params.frequency_penalty)
-            or bool(params.presence_penalty))

@@ -10,10 +10,7 @@ import torch
 from loraserve.engine.protocol import EngineCoreRequest, FinishReason
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams
-
-# Stands for a token sampled by the step in flight; the model runner fills it in
-# on the device from that step's sampled ids.
-PENDING_TOKEN = -1
+from loraserve.worker.input_batch import PENDING_TOKEN
 
 
 class RequestStatus(enum.Enum):
@@ -64,6 +61,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids) + self.num_pending
+
+    def at_length_limit(self, num_output: int, max_model_len: int) -> bool:
+        """Whether `num_output` output tokens reach max_tokens or max_model_len."""
+        max_tokens = self.sampling_params.max_tokens
+        return ((max_tokens is not None and num_output >= max_tokens)
+                or len(self.prompt_token_ids) + num_output >= max_model_len)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end); a pending token reads as PENDING_TOKEN."""

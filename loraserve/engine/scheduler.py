@@ -68,7 +68,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_pending and self._ends_by_length(req):
+            if req.num_pending and req.at_length_limit(req.num_output_tokens,
+                                                       self.config.max_model_len):
                 # Its token in flight is its last one: nothing more to compute.
                 i += 1
                 continue
@@ -122,11 +123,6 @@ class Scheduler:
         # Requests that could not go this step keep their places at the front.
         self.waiting.extendleft(reversed(skipped))
         out.loras_to_load = list(to_load.values())
-
-    def _ends_by_length(self, req: Request) -> bool:
-        max_tokens = req.sampling_params.max_tokens
-        return ((max_tokens is not None and req.num_output_tokens >= max_tokens)
-                or req.num_tokens >= self.config.max_model_len)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

@@ -116,11 +116,9 @@ class DecodeGraphs:
         else:
             case = self.cases[0]
         runner = self.runner
-        pin = runner.pin_memory
 
         def put(buffer: torch.Tensor, values: list[int]) -> None:
-            host = torch.tensor(values, dtype=buffer.dtype, pin_memory=pin)
-            buffer[:n].copy_(host, non_blocking=True)
+            buffer[:n].copy_(runner.host_tensor(values, buffer.dtype), non_blocking=True)
 
         put(self.input_ids, inputs.input_ids)
         runner.fill_pending(self.input_ids, inputs)
@@ -129,7 +127,7 @@ class DecodeGraphs:
         self.slot_mapping[n:bs].fill_(-1)
         put(self.seq_lens, inputs.seq_lens)
         self.seq_lens[n:bs].fill_(1)
-        table = block_table_tensor(inputs.block_tables, pin)
+        table = block_table_tensor(inputs.block_tables, runner.pin_memory)
         self.block_tables[:n, : table.shape[1]].copy_(table, non_blocking=True)
         if case:
             slots = runner.punica.token_slots

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 from loraserve.worker.sampler import SamplingRow
 
+# Stands for a token sampled by the step in flight (async scheduling); the model
+# runner fills it in on the device from that step's sampled ids.
+PENDING_TOKEN = -1
+
 
 @dataclass
 class SeqInput:

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import torch
 
 from loraserve.config import EngineConfig
-from loraserve.engine.request import PENDING_TOKEN
 from loraserve.lora.manager import LoRAManager
 from loraserve.lora.punica import PunicaWrapper
 from loraserve.model.registry import build_model
@@ -29,7 +28,7 @@ from loraserve.worker.attention import (
     block_table_tensor,
     kv_block_bytes,
 )
-from loraserve.worker.input_batch import StepInput
+from loraserve.worker.input_batch import PENDING_TOKEN, StepInput
 from loraserve.worker.sampler import SampledBatch, Sampler
 
 logger = logging.getLogger(__name__)
@@ -92,9 +91,7 @@ class ModelRunner:
             self.attn_workspace = make_workspace(hf.num_attention_heads, self.head_dim,
                                                  self.device)
         self.sampler = Sampler(self.device, mc.seed)
-        # Host inputs go through pinned memory: a copy from pageable memory may
-        # wait for the step already running on the device.
-        self.pin_memory = self.device.type == "cuda"
+        self.pin_memory = self.device.type == "cuda"  # see host_tensor
         # The last step's sampled ids on the device, and each request's row there.
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
@@ -222,9 +219,13 @@ class ModelRunner:
         self._last_rows = {s.request_id: i for i, s in enumerate(sampling)}
         return batch
 
+    def host_tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """Host inputs go through pinned memory: a copy from pageable memory may wait
+        for the step already running on the device."""
+        return torch.tensor(values, dtype=dtype, pin_memory=self.pin_memory)
+
     def to_device(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
-        host = torch.tensor(values, dtype=dtype, pin_memory=self.pin_memory)
-        return host.to(self.device, non_blocking=True)
+        return self.host_tensor(values, dtype).to(self.device, non_blocking=True)
 
     def fill_pending(self, input_ids: torch.Tensor, inputs: PreparedInputs) -> None:
         """Put the tokens the previous step sampled, still on the device, in place."""

@@ -81,9 +81,6 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        return self.sample(logits, rows).to_host()
-
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledBatch:
         logits = logits.float()
