@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from loraserve.engine.core_client import AsyncEngineClient, EngineDeadError
+from loraserve.engine.core_client import EngineDeadError
 from loraserve.entrypoints.errors import APIError, bad_request, engine_unavailable
 from loraserve.entrypoints.protocol import (
     ChatChoiceLogprobs,
@@ -25,6 +25,7 @@ from loraserve.entrypoints.protocol import (
 )
 from loraserve.entrypoints.serving_common import (
     SSE_DONE,
+    OpenAIServing,
     TokenText,
     build_sampling_params,
     check_unsupported,
@@ -34,7 +35,6 @@ from loraserve.entrypoints.serving_common import (
     sse_error,
     top_entries,
 )
-from loraserve.entrypoints.serving_models import ServingModels
 
 
 def _message_dict(message: Any) -> dict[str, Any]:
@@ -54,21 +54,7 @@ def _message_dict(message: Any) -> dict[str, Any]:
     return data
 
 
-class OpenAIServingChat:
-    def __init__(
-        self,
-        engine: AsyncEngineClient,
-        models: ServingModels,
-        tokenizer: Any,
-        max_model_len: int,
-        sampling_defaults: dict[str, Any] | None = None,
-    ) -> None:
-        self.sampling_defaults = sampling_defaults or {}
-        self.engine = engine
-        self.models = models
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-
+class OpenAIServingChat(OpenAIServing):
     def render_prompt(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         """Apply the chat template; the template itself adds any BOS token."""
         if not request.messages:

@@ -1,5 +1,6 @@
-"""What completions and chat completions share: request checks, sampling
-parameters, logprob formatting, SSE framing and merging of several streams."""
+"""What completions and chat completions share: their engine and model handles,
+request checks, sampling parameters, logprob formatting, SSE framing and merging
+of several streams."""
 
 from __future__ import annotations
 
@@ -8,14 +9,36 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraserve.entrypoints.errors import APIError, bad_request
 from loraserve.entrypoints.protocol import SamplingFields
 from loraserve.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from loraserve.engine.core_client import AsyncEngineClient
+    from loraserve.entrypoints.serving_models import ServingModels
+
 # vLLM's default --max-logprobs.
 MAX_LOGPROBS = 20
+
+
+class OpenAIServing:
+    """Base of the completion and chat handlers."""
+
+    def __init__(
+        self,
+        engine: AsyncEngineClient,
+        models: ServingModels,
+        tokenizer: Any,
+        max_model_len: int,
+        sampling_defaults: dict[str, Any] | None = None,
+    ) -> None:
+        self.sampling_defaults = sampling_defaults or {}
+        self.engine = engine
+        self.models = models
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
 
 
 def check_unsupported(request: SamplingFields) -> None:

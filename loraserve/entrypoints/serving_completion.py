@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from loraserve.engine.core_client import AsyncEngineClient, EngineDeadError
+from loraserve.engine.core_client import EngineDeadError
 from loraserve.entrypoints.errors import APIError, bad_request, engine_unavailable
 from loraserve.entrypoints.protocol import (
     CompletionChoice,
@@ -19,6 +19,7 @@ from loraserve.entrypoints.protocol import (
 )
 from loraserve.entrypoints.serving_common import (
     SSE_DONE,
+    OpenAIServing,
     TokenText,
     build_sampling_params,
     check_unsupported,
@@ -29,24 +30,9 @@ from loraserve.entrypoints.serving_common import (
     sse_error,
     top_entries,
 )
-from loraserve.entrypoints.serving_models import ServingModels
 
 
-class OpenAIServingCompletion:
-    def __init__(
-        self,
-        engine: AsyncEngineClient,
-        models: ServingModels,
-        tokenizer: Any,
-        max_model_len: int,
-        sampling_defaults: dict[str, Any] | None = None,
-    ) -> None:
-        self.sampling_defaults = sampling_defaults or {}
-        self.engine = engine
-        self.models = models
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-
+class OpenAIServingCompletion(OpenAIServing):
     def _prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         """(text, token ids) for each prompt of the request."""
         prompt = request.prompt
