@@ -23,7 +23,7 @@ import torch
 import triton.testing
 from loraserve.kernels import LoRAMetadata
 from loraserve.kernels import lora_config as lc
-from loraserve.kernels.lora_ops import launch_expand, launch_fused, launch_shrink
+from loraserve.kernels.lora_ops import launch_expand, launch_shrink
 
 SHRINK_CLASSES = {
     "qkv": (4096, [4096, 1024, 1024]),
@@ -42,12 +42,6 @@ SHRINK_SPACE = {
     "SPLIT_K": [1, 2, 4, 8, 16, 32, 64],
     "num_warps": [2, 4, 8],
     "num_stages": [2, 3, 4, 5],
-}
-FUSED_SPACE = {
-    "BLOCK_N": [32, 64, 128, 256],
-    "BLOCK_K": [128, 256, 512, 1024],
-    "num_warps": [4, 8],
-    "num_stages": [1, 2, 3, 4],
 }
 EXPAND_SPACE = {
     "BLOCK_M": [16, 32, 64, 128],
@@ -81,9 +75,6 @@ class Case:
     def run(self, scfg, ecfg):
         for i in range(CALLS):
             y, x, a, b = self.sets[i % self.n_sets]
-            if ecfg is None:  # scfg is a fused config
-                launch_fused(y, x, a, b, self.offsets, self.meta, scfg)
-                continue
             ws = launch_shrink(x, a, self.meta, scfg)
             launch_expand(y, b, self.offsets, self.meta, ws, ecfg)
 
@@ -152,10 +143,10 @@ def main() -> int:
                    help="keep the entries already in --out that this run does not tune")
     args = p.parse_args()
     t_start = time.time()
-    result = {"device": torch.cuda.get_device_name(), "shrink": {}, "expand": {}, "fused": {}}
+    result = {"device": torch.cuda.get_device_name(), "shrink": {}, "expand": {}}
     if args.merge and Path(args.out).is_file():
         old = json.loads(Path(args.out).read_text())
-        for kind in ("shrink", "expand", "fused"):
+        for kind in ("shrink", "expand"):
             result[kind].update(old.get(kind, {}))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -200,21 +191,6 @@ def main() -> int:
                     result["expand"][ekey] = ebest
                     done_expand.add(ekey)
                     msg += f"; expand tuned {e_def:.1f} -> {et:.1f} us"
-                else:
-                    ebest = result["expand"][ekey]
-                if t <= lc.FUSED_MAX_T:
-                    split_t = time_cfg(cases, sbest, ebest)
-                    f0 = lc.default_fused_config(t, k, r)
-                    f0.pop("use")
-                    fbest, ft, _ = descend(
-                        f0,
-                        FUSED_SPACE,
-                        lambda c, cases=cases: time_cfg(cases, c, None),
-                        lambda c: True,
-                    )
-                    use = int(ft < split_t)
-                    result["fused"][lc.fused_key(t, k, n_total, r, ns)] = dict(fbest, use=use)
-                    msg += f"; fused {ft:.1f} vs split {split_t:.1f} us -> use={use}"
                 print(msg, sbest, flush=True)
                 del cases
                 save()

@@ -55,10 +55,6 @@ def expand_key(num_tokens: int, n_total: int, rank: int) -> str:
     return f"T{t_bucket(num_tokens)}_N{n_total}_R{rank_block(rank)}"
 
 
-def fused_key(num_tokens: int, k: int, n_total: int, rank: int, num_slices: int) -> str:
-    return f"T{t_bucket(num_tokens)}_K{k}_N{n_total}_R{rank_block(rank)}_S{num_slices}"
-
-
 def _device_name() -> str | None:
     try:
         import torch
@@ -89,12 +85,12 @@ def _tuned_table() -> dict[str, dict[str, dict[str, int]]]:
         return {}
     with open(path) as f:
         data = json.load(f)
-    return {k: data.get(k, {}) for k in ("shrink", "expand", "fused")}
+    return {k: data.get(k, {}) for k in ("shrink", "expand")}
 
 
 def reload_tuned_table() -> None:
     """Forget the cached JSON and lookups (after writing a new file)."""
-    for f in (_tuned_table, _num_sms, shrink_config, expand_config, fused_config):
+    for f in (_tuned_table, _num_sms, shrink_config, expand_config):
         f.cache_clear()
 
 
@@ -181,35 +177,3 @@ def expand_config(num_tokens: int, n_total: int, rank: int) -> dict[str, Any]:
         cfg.update(tuned)
     return cfg
 
-
-# Above this many tokens the fused kernel's repeated shrinks always lose.
-FUSED_MAX_T = 64
-
-
-def default_fused_config(num_tokens: int, k: int, rank: int) -> dict[str, int]:
-    block_r = rank_block(rank)
-    return {
-        # Measured slower than shrink + expand with these defaults on an H200;
-        # the tuner switches it on per shape class where it wins.
-        "use": 0,
-        "BLOCK_M": 16,
-        "BLOCK_N": 128 if block_r <= 64 else 64,
-        "BLOCK_K": 256 if block_r <= 64 else 64,
-        "num_warps": 4,
-        "num_stages": 3,
-    }
-
-
-@lru_cache(maxsize=4096)
-def fused_config(
-    num_tokens: int, k: int, n_total: int, rank: int, num_slices: int
-) -> dict[str, Any] | None:
-    """Config of the one-launch kernel, or None when shrink + expand is faster."""
-    if num_tokens > FUSED_MAX_T:
-        return None
-    cfg = default_fused_config(num_tokens, k, rank)
-    key = fused_key(num_tokens, k, n_total, rank, num_slices)
-    tuned = _lookup(_tuned_table().get("fused", {}), key)
-    if tuned:
-        cfg.update(tuned)
-    return cfg if cfg["use"] else None

@@ -28,9 +28,9 @@ then two launches per call (per group of up to 3 slices):
 
 Each tile reads its adapter's A/B once, so decode batches (one token per
 request) and prefill batches share one code path; split-K gives decode enough
-programs to use the whole GPU. A one-launch variant (``_lora_fused_kernel``:
-each program redoes its tile's shrink) exists for small batches; the tuning
-table turns it on per shape class where it wins (on an H200 it never did).
+programs to use the whole GPU. (A one-launch variant, each program redoing its
+tile's shrink, was tuned against this on an H200 and lost at every batch size
+it could serve; it was removed.)
 
 Launch configs come from ``lora_config`` (a tuned JSON per GPU in
 ``kernels/configs/``, else heuristics).
@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lora_config import expand_config, fused_config, next_pow2, rank_block, shrink_config
+from .lora_config import expand_config, next_pow2, rank_block, shrink_config
 from .lora_meta import LoRAMetadata, build_lora_metadata
 
 # Slices handled by one launch pair; more slices use more launch pairs.
@@ -418,114 +418,6 @@ def _lora_expand_kernel(
     )
 
 
-@triton.jit(do_not_specialize=_PER_SLICE_INTS + _BATCH_INTS)
-def _lora_fused_kernel(
-    y_ptr,
-    x_ptr,
-    sorted_ids_ptr,
-    slot_start_ptr,
-    slot_count_ptr,
-    a0_ptr,
-    a1_ptr,
-    a2_ptr,
-    b0_ptr,
-    b1_ptr,
-    b2_ptr,
-    n0,
-    n1,
-    n2,
-    yo0,
-    yo1,
-    yo2,
-    sbs0,
-    sbs1,
-    sbs2,
-    nb0,
-    nb1,
-    num_slots,
-    K,
-    R,
-    k_len,
-    stride_xm,
-    stride_xk,
-    stride_as,
-    stride_ar,
-    stride_ak,
-    stride_bn,
-    stride_br,
-    stride_ym,
-    stride_yn,
-    NUM_SLICES: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    ALIGN: tl.constexpr,
-    PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-):
-    # One launch for small batches: every (token tile, N block) program redoes
-    # its tile's shrink (A comes from L2 after the first program), which costs
-    # less than a second launch when there are few tiles.
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    slot, pos0, rows_left = _slot_tile(
-        pid_m, slot_start_ptr, slot_count_ptr, num_slots, BLOCK_M, BLOCK_S
-    )
-    if slot >= num_slots:
-        return
-    slice_id, local_n = _slice_of_nblock(pid_n, nb0, nb1, NUM_SLICES)
-    offs_m = tl.arange(0, BLOCK_M)
-    row_mask = offs_m < rows_left
-    tok = tl.load(sorted_ids_ptr + pos0 + offs_m, mask=row_mask, other=0).to(tl.int64)
-    xa = _shrink_tile(
-        x_ptr,
-        _pick(slice_id, a0_ptr, a1_ptr, a2_ptr),
-        tok,
-        row_mask,
-        slot,
-        0,
-        k_len,
-        K,
-        R,
-        stride_xm,
-        stride_xk,
-        stride_as,
-        stride_ar,
-        stride_ak,
-        BLOCK_M,
-        BLOCK_K,
-        BLOCK_R,
-        EVEN_K,
-        PRECISION,
-        DOT_FP32,
-    )
-    _expand_tile(
-        y_ptr,
-        _pick(slice_id, b0_ptr, b1_ptr, b2_ptr),
-        xa,
-        tok,
-        row_mask,
-        slot,
-        local_n,
-        _pick(slice_id, n0, n1, n2),
-        _pick(slice_id, yo0, yo1, yo2),
-        _pick(slice_id, sbs0, sbs1, sbs2),
-        R,
-        stride_bn,
-        stride_br,
-        stride_ym,
-        stride_yn,
-        BLOCK_N,
-        BLOCK_R,
-        ALIGN,
-        PRECISION,
-        DOT_FP32,
-    )
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -679,66 +571,6 @@ def launch_expand(
     )
 
 
-def launch_fused(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: Sequence[torch.Tensor],
-    lora_b: Sequence[torch.Tensor],
-    y_offsets: Sequence[int],
-    meta: LoRAMetadata,
-    cfg: dict[str, int],
-) -> None:
-    """Shrink and expand of up to 3 slices in one launch (small batches)."""
-    num_tokens, k = x.shape
-    num_slots, rank, _ = lora_a[0].shape
-    ns = len(lora_a)
-    widths = [b.shape[1] for b in lora_b]
-    block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    nblocks = [_cdiv(w, block_n) for w in widths]
-    m_tiles = min(_cdiv(num_tokens, cfg["BLOCK_M"]) + num_slots, num_tokens)
-    dot_fp32, precision = _dot_mode(x.dtype)
-    pad = 3 - ns
-    _lora_fused_kernel[(sum(nblocks), m_tiles)](
-        y,
-        x,
-        meta.sorted_ids,
-        meta.slot_start,
-        meta.slot_count,
-        *(list(lora_a) + [lora_a[0]] * pad),
-        *(list(lora_b) + [lora_b[0]] * pad),
-        *(widths + [0] * pad),
-        *(list(y_offsets) + [0] * pad),
-        *([b.stride(0) for b in lora_b] + [0] * pad),
-        nblocks[0],
-        nblocks[1] if ns > 1 else 0,
-        num_slots,
-        k,
-        rank,
-        _cdiv(k, block_k) * block_k,
-        x.stride(0),
-        x.stride(1),
-        lora_a[0].stride(0),
-        lora_a[0].stride(1),
-        lora_a[0].stride(2),
-        lora_b[0].stride(1),
-        lora_b[0].stride(2),
-        y.stride(0),
-        y.stride(1),
-        NUM_SLICES=ns,
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        BLOCK_R=rank_block(rank),
-        BLOCK_S=_block_s(num_slots),
-        EVEN_K=(k % block_k == 0),
-        ALIGN=_align(y, lora_b, y_offsets),
-        PRECISION=precision,
-        DOT_FP32=dot_fp32,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
-
-
 def _align(y: torch.Tensor, lora_b: Sequence[torch.Tensor], y_offsets: Sequence[int]) -> int:
     # 8 elements (16 bytes in 16-bit types) lets Triton vectorise y and B accesses.
     ints = [*y_offsets, *(b.shape[1] for b in lora_b), *(b.stride(0) for b in lora_b)]
@@ -790,10 +622,6 @@ def add_lora_linear(
     step = MAX_SLICES_PER_LAUNCH
     for g in range(0, len(lora_a), step):
         a_grp = lora_a[g : g + step]
-        fcfg = fused_config(num_tokens, k, sum(widths), rank, len(a_grp))
-        if fcfg is not None:
-            launch_fused(y, x, a_grp, lora_b[g : g + step], offsets[g : g + step], meta, fcfg)
-            continue
         scfg = shrink_config(num_tokens, k, rank, len(a_grp))
         ws = launch_shrink(x, a_grp, meta, scfg)
         b_grp, o_grp = lora_b[g : g + step], offsets[g : g + step]
