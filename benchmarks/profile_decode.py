@@ -25,7 +25,7 @@ from loraserve.engine.output_processor import OutputProcessor
 
 def graph_replay_ms(llm: LLM, batch: int, reps: int = 50) -> float:
     graphs = llm.engine.runner.graphs
-    graph, _ = graphs.graphs[(graphs._padded(batch), graphs.cases[0])]
+    graph, _ = graphs.graphs[(graphs.padded_size(batch), graphs.cases[0])]
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -29,8 +29,7 @@ then two launches per call (per group of up to 3 slices):
 Each tile reads its adapter's A/B once, so decode batches (one token per
 request) and prefill batches share one code path; split-K gives decode enough
 programs to use the whole GPU. (A one-launch variant, each program redoing its
-tile's shrink, was tuned against this on an H200 and lost at every batch size
-it could serve; it was removed.)
+tile's shrink, lost to it at every point tuned on an H200 and was removed.)
 
 Launch configs come from ``lora_config`` (a tuned JSON per GPU in
 ``kernels/configs/``, else heuristics).

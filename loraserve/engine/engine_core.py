@@ -104,7 +104,7 @@ class EngineCore:
         return self._in_flight is not None
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending) or self._in_flight is not None
+        return bool(self.requests) or bool(self._pending) or self.has_step_in_flight
 
     # ---- adapters ------------------------------------------------------------------
 

@@ -61,7 +61,7 @@ class DecodeGraphs:
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
-    def _padded(self, num_seqs: int) -> int:
+    def padded_size(self, num_seqs: int) -> int:
         return next(s for s in self.sizes if s >= num_seqs)
 
     def _forward(self, bs: int, with_lora: bool) -> torch.Tensor:
@@ -110,7 +110,7 @@ class DecodeGraphs:
 
     def run(self, inputs) -> torch.Tensor:
         n = len(inputs.input_ids)
-        bs = self._padded(n)
+        bs = self.padded_size(n)
         if len(self.cases) == 2:
             case = any(s >= 0 for s in inputs.token_lora_slots)
         else:
