@@ -177,7 +177,8 @@ class EngineCore:
                 self._in_flight = launched
             else:
                 outputs += self._finish(launched)
-        return EngineCoreOutputs(outputs=outputs, stats=self.get_stats())
+        # Stats are built by whoever sends them (core_proc), not on every step.
+        return EngineCoreOutputs(outputs=outputs)
 
     def _can_overlap(self) -> bool:
         """Penalties read a request's whole output: those steps wait for the last one."""
