@@ -141,18 +141,21 @@ class OutputProcessor:
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         result = ProcessedOutputs()
         touched: dict[str, _ParentState] = {}
-        for parent in self._parents.values():
-            for child in parent.children:
-                child.out.delta_text = ""
-                child.out.delta_token_ids = []
-                child.out.delta_logprobs = None
         for eco in outputs:
             child = self._children.get(eco.request_id)
             if child is None or child.out.finished:
                 continue  # aborted meanwhile, or already stopped by a stop string
+            parent = child.parent
+            if parent.output.request_id not in touched:
+                # Deltas are per call: clear them in every child of a parent that
+                # reports now (only those; the others are not read).
+                touched[parent.output.request_id] = parent
+                for c in parent.children:
+                    c.out.delta_text = ""
+                    c.out.delta_token_ids = []
+                    c.out.delta_logprobs = None
             if self._update_child(child, eco):
                 result.reqs_to_abort.append(eco.request_id)
-            touched[child.parent.output.request_id] = child.parent
         for rid, parent in touched.items():
             parent.output.finished = all(c.out.finished for c in parent.children)
             result.request_outputs.append(parent.output)
