@@ -2,14 +2,16 @@
 # One device call: the stages named in STAGES (run in the order listed below) on
 # the Llama-3-8B shape with dummy weights.
 # Usage (device tool, carry .devwheels):
-#   STAGES="tests profile decode32" bash benchmarks/gpu_session.sh
+#   STAGES="tune tests profile decode32" bash benchmarks/gpu_session.sh
 # Stages:
-#   tests     the gpu-marked tests
 #   tune      tune LoRA kernel configs (TUNE_CLASSES, TUNE_TOKENS) into the table
+#   tests     the gpu-marked tests (after tune: they run on the table it wrote)
+#   layer     LoRA cost per linear layer class (lora_layer.py)
 #   profile   where a batch-32 decode step's time goes (profile_decode.py)
 #   decode32  base decode at batch 32 (offline.py), and the same through PEFT
 #   offline   LoRA vs base offline throughput, 32 rank-16 adapters, 256 requests
-#   startup   graph capture time and memory, LoRA vs base (startup.py)
+#   startup   graph capture time and memory, LoRA vs base (startup.py; PROFILE_STARTUP=1
+#             adds a cProfile of each start, which slows the host side)
 #   serve     a LoRA server; ITL at batch 1 and 64 with and without LoRA, and the
 #             fixed-rate serving benchmark with 8 and 64 adapters under --max-loras 8
 set -uo pipefail
@@ -30,15 +32,6 @@ ADAPTERS=/tmp/bench/adapters
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 stamp() { echo "$(date +%T) $*" >> "$OUT/stages.log"; }
 
-if has tests; then
-  stamp tests
-  # The gpu-marked tests, and the fused-kernel tests that run compiled on a GPU.
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q tests/test_engine_gpu.py \
-      tests/test_kernels_gpu.py tests/test_paged_attention_gpu.py \
-      tests/test_fused_norm_rope.py > "$OUT/gpu_tests.log" 2>&1
-  echo "gpu tests rc=$?" >> "$OUT/gpu_tests.log"
-fi
-
 if has tune; then
   # Tune the LoRA launch configs of the named classes and T buckets into the
   # table the kernels read (kept entries: --merge), before the benchmarks run.
@@ -49,6 +42,23 @@ if has tune; then
       > "$OUT/tune.log" 2>&1
   echo "tune rc=$?" >> "$OUT/tune.log"
   cp kernels/configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+fi
+
+if has tests; then
+  stamp tests
+  # The gpu-marked tests, and the fused-kernel tests that run compiled on a GPU.
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q tests/test_engine_gpu.py \
+      tests/test_kernels_gpu.py tests/test_paged_attention_gpu.py \
+      tests/test_fused_norm_rope.py > "$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests rc=$?" >> "$OUT/gpu_tests.log"
+fi
+
+if has layer; then
+  # What LoRA adds to each linear layer class.
+  stamp layer
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/lora_layer.py --json "$OUT/lora_layer.json" \
+      > "$OUT/lora_layer.log" 2>&1
+  echo "layer rc=$?" >> "$OUT/lora_layer.log"
 fi
 
 if has profile || has decode32 || has offline || has startup || has serve; then
@@ -81,18 +91,23 @@ if has decode32; then
 fi
 
 if has offline; then
-  stamp offline
-  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/offline.py \
-      --model $MODEL --load-format dummy --adapters $ADAPTERS \
-      --num-adapters 32 --num-requests 256 --input-len 512 --output-len 128 \
-      --json "$OUT/offline.json" > "$OUT/offline.log" 2>&1
-  echo "offline rc=$?" >> "$OUT/offline.log"
+  # OFFLINE_RUNS > 1 repeats the whole run (each in a fresh process): its spread.
+  for i in $(seq "${OFFLINE_RUNS:-1}"); do
+    stamp "offline $i"
+    suffix=$([ "$i" = 1 ] && echo "" || echo "_$i")
+    timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/offline.py \
+        --model $MODEL --load-format dummy --adapters $ADAPTERS \
+        --num-adapters 32 --num-requests 256 --input-len 512 --output-len 128 \
+        --json "$OUT/offline$suffix.json" > "$OUT/offline$suffix.log" 2>&1
+    echo "offline rc=$?" >> "$OUT/offline$suffix.log"
+  done
 fi
 
 if has startup; then
   stamp startup
   (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 startup.py --model $MODEL \
       --load-format dummy --max-loras 8 --max-num-seqs 256 \
+      ${PROFILE_STARTUP:+--profile-dir "$OUT/startup_profile"} \
       --json "$OUT/startup.json") > "$OUT/startup.log" 2>&1
   echo "startup rc=$?" >> "$OUT/startup.log"
 fi

@@ -9,22 +9,32 @@ Triton cache and then again on the cache that start filled.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import multiprocessing as mp
 import os
+import pstats
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 
-def measure(kwargs: dict, cache_dir: str, queue) -> None:
+def measure(kwargs: dict, cache_dir: str, queue, profile_to: str | None) -> None:
     os.environ["TRITON_CACHE_DIR"] = cache_dir
     from loraserve.config import EngineConfig
     from loraserve.engine.engine_core import EngineCore
 
+    profiler = cProfile.Profile() if profile_to else None
     start = time.perf_counter()
+    if profiler:
+        profiler.enable()
     core = EngineCore(EngineConfig.from_kwargs(**kwargs))
+    if profiler:
+        profiler.disable()
+        with open(profile_to, "w") as f:
+            for order in ("tottime", "cumulative"):
+                pstats.Stats(profiler, stream=f).sort_stats(order).print_stats(40)
     graphs = core.runner.graphs
     queue.put({
         "engine_start_s": time.perf_counter() - start,
@@ -35,22 +45,26 @@ def measure(kwargs: dict, cache_dir: str, queue) -> None:
     })
 
 
-def run_fresh(kwargs: dict, cache_dir: str) -> dict:
+def run_fresh(kwargs: dict, cache_dir: str, profile_to: str | None) -> dict:
     # A process per engine: each measures its own memory.
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=measure, args=(kwargs, cache_dir, queue))
+    proc = ctx.Process(target=measure, args=(kwargs, cache_dir, queue, profile_to))
     proc.start()
     result = queue.get(timeout=1800)
     proc.join()
     return result
 
 
-def cold_and_warm(kwargs: dict) -> dict:
+def cold_and_warm(kwargs: dict, name: str, profile_dir: Path | None) -> dict:
     """A first start on an empty Triton cache (it pays every kernel compile), then a
     second start on the cache the first one filled (a restart)."""
     cache_dir = tempfile.mkdtemp(prefix="triton-cache-")
-    return {"cold": run_fresh(kwargs, cache_dir), "warm": run_fresh(kwargs, cache_dir)}
+    return {
+        start: run_fresh(kwargs, cache_dir,
+                         str(profile_dir / f"{name}_{start}.txt") if profile_dir else None)
+        for start in ("cold", "warm")
+    }
 
 
 def main() -> None:
@@ -62,13 +76,18 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--specialize-active-lora", action="store_true")
     p.add_argument("--json", type=Path)
+    p.add_argument("--profile-dir", type=Path,
+                   help="write a cProfile summary of each engine start here")
     args = p.parse_args()
+    if args.profile_dir:
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
     common = {"model": args.model, "load_format": args.load_format,
               "max_num_seqs": args.max_num_seqs}
     lora = cold_and_warm({**common, "enable_lora": True, "max_loras": args.max_loras,
                           "max_lora_rank": args.max_lora_rank,
-                          "specialize_active_lora": args.specialize_active_lora})
-    base = cold_and_warm(common)
+                          "specialize_active_lora": args.specialize_active_lora},
+                         "lora", args.profile_dir)
+    base = cold_and_warm(common, "base", args.profile_dir)
     results = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
                "base": base, "lora": lora}
     for start in ("cold", "warm"):

@@ -4,11 +4,11 @@
 
 Shape classes are (T bucket, K or total N, padded rank, slices) as in
 ``loraserve.kernels.lora_config``. For each class a coordinate descent starts
-from the heuristic default and tries every value of one parameter at a time
-(two rounds), timing CUDA-graph replays of a few calls on rotating inputs, with
-tokens spread over 1 and over 32 adapters (the objective is the sum). The
-shrink is tuned together with the default expand (its split-K sets the
-expand's work), then the expand with the chosen shrink.
+from the config in use (the table's, else the heuristic) and tries every value
+of one parameter at a time (two rounds), timing CUDA-graph replays of a few
+calls on rotating inputs, with tokens spread over 1 and over 32 adapters (the
+objective is the sum). The shrink is tuned together with the starting expand
+(its split-K sets the expand's work), then the expand with the chosen shrink.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ SHRINK_SPACE = {
 EXPAND_SPACE = {
     "BLOCK_M": [16, 32, 64, 128],
     "BLOCK_N": [32, 64, 128, 256],
+    "N_ITERS": [1, 2, 4, 8],
     "num_warps": [2, 4, 8],
     "num_stages": [1, 2, 3, 4],
 }
@@ -156,8 +157,8 @@ def main() -> int:
         out.write_text(json.dumps(result, indent=1, sort_keys=True))
 
     # An expand config is shared by every class of one N (o_proj and down_proj):
-    # tune it once, and with --merge keep the one the table has.
-    done_expand = set(result["expand"]) if args.merge else set()
+    # tune it once a run.
+    done_expand: set[str] = set()
     # Rank 16 first: it carries the targets; rank 64 if the budget allows.
     for r in args.ranks:
         for k, widths in (SHRINK_CLASSES[c] for c in args.classes):
@@ -170,8 +171,9 @@ def main() -> int:
                 n_total = sum(widths)
                 adapters = [1] if t == 1 else [1, 32]
                 cases = [Case(k, widths, r, t, n) for n in adapters]
-                e0 = lc.default_expand_config(t, n_total, r)
-                s0 = lc.default_shrink_config(t, k, r, ns)
+                # Start from what the kernels use now (the table, else the heuristic).
+                e0 = lc.expand_config(t, n_total, r)
+                s0 = lc.shrink_config(t, k, r, ns)
                 sbest, st, s_def = descend(
                     s0,
                     SHRINK_SPACE,

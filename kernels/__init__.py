@@ -6,6 +6,8 @@ the per-step token grouping it reads.
 """
 
 from .lora_meta import LoRAMetadata, build_lora_metadata
-from .lora_ops import add_lora_linear, workspace_numel
+from .lora_ops import add_lora_linear, launch_configs, workspace_numel
 
-__all__ = ["LoRAMetadata", "add_lora_linear", "build_lora_metadata", "workspace_numel"]
+__all__ = [
+    "LoRAMetadata", "add_lora_linear", "build_lora_metadata", "launch_configs", "workspace_numel",
+]

@@ -138,7 +138,7 @@ def default_expand_config(num_tokens: int, n_total: int, rank: int) -> dict[str,
     block_n = 32 if num_tokens <= 4 else (64 if num_tokens <= 64 else 128)
     if block_r >= 128:
         block_n = min(block_n, 64)
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "N_ITERS": 1, "num_warps": 4, "num_stages": 2}
 
 
 def _lookup(table: dict[str, dict[str, int]], key: str) -> dict[str, int] | None:

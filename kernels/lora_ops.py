@@ -22,9 +22,9 @@ then two launches per call (per group of up to 3 slices):
    ``x_tile @ A[slot].T`` in fp32. With split-K each split writes a partial;
    the last split to arrive (an atomic counter per tile and slice, reset by
    that program) sums them in a fixed order, so results are deterministic;
-2. expand: for each (slot, token tile, BLOCK_N columns of y), read the fp32
-   shrink, round it once to the weight dtype, multiply by ``B[slot].T`` and
-   add to y (fp32 add, one rounding).
+2. expand: for each (slot, token tile, N_ITERS blocks of BLOCK_N columns of
+   y), read the fp32 shrink, round it once to the weight dtype, multiply by
+   ``B[slot].T`` and add to y (fp32 add, one rounding).
 
 Each tile reads its adapter's A/B once, so decode batches (one token per
 request) and prefill batches share one code path; split-K gives decode enough
@@ -72,7 +72,9 @@ from .lora_meta import LoRAMetadata, build_lora_metadata
 # Slices handled by one launch pair; more slices use more launch pairs.
 MAX_SLICES_PER_LAUNCH = 3
 
-_PER_SLICE_INTS = ["n0", "n1", "n2", "yo0", "yo1", "yo2", "sbs0", "sbs1", "sbs2", "nb0", "nb1"]
+_PER_SLICE_INTS = [
+    "n0", "n1", "n2", "yo0", "yo1", "yo2", "sbs0", "sbs1", "sbs2", "nb0", "nb1", "nb_total",
+]
 # Triton compiles a variant per value class (1, multiple of 16, other) of each int
 # argument it specializes. Batch-size ints vary across CUDA graph sizes: leaving
 # them unspecialized keeps graph capture at one compile per launch config.
@@ -361,6 +363,7 @@ def _lora_expand_kernel(
     sbs2,
     nb0,
     nb1,
+    nb_total,
     num_tokens,
     num_slots,
     R,
@@ -376,7 +379,10 @@ def _lora_expand_kernel(
     ALIGN: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    N_ITERS: tl.constexpr,
 ):
+    # A program covers N_ITERS consecutive N blocks of one token tile: the tile's
+    # slot lookup is paid once, and the unrolled blocks' loads overlap.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     slot, pos0, rows_left = _slot_tile(
@@ -384,37 +390,41 @@ def _lora_expand_kernel(
     )
     if slot >= num_slots:
         return
-    slice_id, local_n = _slice_of_nblock(pid_n, nb0, nb1, NUM_SLICES)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     row_mask = offs_m < rows_left
     tok = tl.load(sorted_ids_ptr + pos0 + offs_m, mask=row_mask, other=0).to(tl.int64)
-    # The shrink result, already summed over K splits (fp32).
-    ws_rows = slice_id * num_tokens + pos0 + offs_m
     ws_mask = row_mask[:, None] & (offs_r < R)[None, :]
-    xa = tl.load(ws_ptr + ws_rows[:, None] * R + offs_r[None, :], mask=ws_mask, other=0.0)
-    _expand_tile(
-        y_ptr,
-        _pick(slice_id, b0_ptr, b1_ptr, b2_ptr),
-        xa,
-        tok,
-        row_mask,
-        slot,
-        local_n,
-        _pick(slice_id, n0, n1, n2),
-        _pick(slice_id, yo0, yo1, yo2),
-        _pick(slice_id, sbs0, sbs1, sbs2),
-        R,
-        stride_bn,
-        stride_br,
-        stride_ym,
-        stride_yn,
-        BLOCK_N,
-        BLOCK_R,
-        ALIGN,
-        PRECISION,
-        DOT_FP32,
-    )
+    for i in tl.static_range(N_ITERS):
+        n_block = pid_n * N_ITERS + i
+        if n_block < nb_total:
+            slice_id, local_n = _slice_of_nblock(n_block, nb0, nb1, NUM_SLICES)
+            # The shrink result, already summed over K splits (fp32).
+            ws_rows = slice_id * num_tokens + pos0 + offs_m
+            xa = tl.load(ws_ptr + ws_rows[:, None] * R + offs_r[None, :], mask=ws_mask,
+                         other=0.0)
+            _expand_tile(
+                y_ptr,
+                _pick(slice_id, b0_ptr, b1_ptr, b2_ptr),
+                xa,
+                tok,
+                row_mask,
+                slot,
+                local_n,
+                _pick(slice_id, n0, n1, n2),
+                _pick(slice_id, yo0, yo1, yo2),
+                _pick(slice_id, sbs0, sbs1, sbs2),
+                R,
+                stride_bn,
+                stride_br,
+                stride_ym,
+                stride_yn,
+                BLOCK_N,
+                BLOCK_R,
+                ALIGN,
+                PRECISION,
+                DOT_FP32,
+            )
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -538,7 +548,8 @@ def launch_expand(
     m_tiles = min(_cdiv(num_tokens, cfg["BLOCK_M"]) + num_slots, num_tokens)
     dot_fp32, precision = _dot_mode(y.dtype)
     pad = 3 - ns
-    _lora_expand_kernel[(sum(nblocks), m_tiles)](
+    n_iters = cfg.get("N_ITERS", 1)
+    _lora_expand_kernel[(_cdiv(sum(nblocks), n_iters), m_tiles)](
         y,
         ws,
         meta.sorted_ids,
@@ -550,6 +561,7 @@ def launch_expand(
         *([b.stride(0) for b in lora_b] + [0] * pad),
         nblocks[0],
         nblocks[1] if ns > 1 else 0,
+        sum(nblocks),
         num_tokens,
         num_slots,
         rank,
@@ -565,6 +577,7 @@ def launch_expand(
         ALIGN=_align(y, lora_b, y_offsets),
         PRECISION=precision,
         DOT_FP32=dot_fp32,
+        N_ITERS=n_iters,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -587,6 +600,18 @@ def _dot_mode(dtype: torch.dtype) -> tuple[bool, str]:
     if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
         return True, "ieee"
     return False, ("ieee" if dtype == torch.float32 else "tf32")
+
+
+def launch_configs(num_tokens: int, k: int, widths: Sequence[int], rank: int) -> tuple:
+    """The launch configs of a call with these shapes, hashable. Calls that share them
+    (and dtypes and strides) run the same compiled kernels: batch-size ints are not
+    specialized."""
+    step = MAX_SLICES_PER_LAUNCH
+    shrink = tuple(
+        tuple(sorted(shrink_config(num_tokens, k, rank, len(widths[g : g + step])).items()))
+        for g in range(0, len(widths), step)
+    )
+    return shrink, tuple(sorted(expand_config(num_tokens, sum(widths), rank).items()))
 
 
 def add_lora_linear(

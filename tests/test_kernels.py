@@ -156,6 +156,17 @@ def test_large_split_k_path(monkeypatch):
         assert int(meta.locks.abs().sum()) == 0
 
 
+def test_several_n_blocks_per_program_across_slices(monkeypatch):
+    # 16-wide N blocks, 4 to a program: programs span slice boundaries and the last
+    # one runs past the final block.
+    def cfg(num_tokens, n_total, rank):
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "N_ITERS": 4, "num_warps": 4, "num_stages": 1}
+
+    monkeypatch.setattr(lora_ops, "expand_config", cfg)
+    y, x, a, b, slots = make_case(21, 67, 8, 3, [40, 24, 9], torch.float32, seed=9)
+    check(y, x, a, b, slots)
+
+
 def test_workspace_numel_matches_call():
     y, x, a, b, slots = make_case(17, 300, 16, 4, [32, 8, 8], torch.float32, seed=9)
     need = lora_ops.workspace_numel(17, 300, 16, 3)

@@ -52,6 +52,12 @@ class LinearWithLoRA(nn.Module):
             a_stack[slot, :rank].copy_(a, non_blocking=True)
             b_stack[slot, :, :rank].copy_(b, non_blocking=True)
 
+    def launch_configs(self, num_tokens: int) -> tuple:
+        """Hashable: batches with equal values run the same compiled LoRA kernels."""
+        return self.punica.launch_configs(
+            num_tokens, self.base_layer.in_features, self.slice_sizes, self.lora_a[0].shape[1]
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
         self.punica.add_lora_linear(y, x, self.lora_a, self.lora_b)

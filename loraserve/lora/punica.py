@@ -58,6 +58,15 @@ class PunicaWrapper:
         if self.meta is not None:
             self.meta.update(self.token_slots[:num_tokens])
 
+    def launch_configs(self, num_tokens: int, k: int, widths: list[int], rank: int) -> tuple:
+        """What picks the compiled kernels of a layer's LoRA op at this token count
+        (empty without the CUDA kernels)."""
+        if self.meta is None:
+            return ()
+        from loraserve.kernels import launch_configs
+
+        return launch_configs(num_tokens, k, widths, rank)
+
     def add_lora_linear(
         self,
         y: torch.Tensor,

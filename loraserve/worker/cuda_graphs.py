@@ -79,6 +79,12 @@ class DecodeGraphs:
                               TritonPagedAttention(meta, runner.attn_workspace))
         return runner.model.compute_logits(hidden)
 
+    def _lora_kernels(self, bs: int) -> tuple:
+        manager = self.runner.lora_manager
+        if manager is None:
+            return ()
+        return tuple(sorted({w.launch_configs(bs) for w in manager.wrappers.values()}))
+
     @torch.no_grad()
     def capture(self) -> None:
         dev = self.runner.device
@@ -89,9 +95,16 @@ class DecodeGraphs:
         reserved_before = torch.cuda.memory_reserved(dev)
         start = time.perf_counter()
         self.runner.punica.token_slots.fill_(-1)
+        warmed_lora: set[tuple] = set()
         for bs in reversed(self.sizes):
+            lora_kernels = self._lora_kernels(bs)
             for case in self.cases:
-                self._forward(bs, case)  # warm-up: compiles kernels, sizes workspaces
+                # Warm-up: compiles kernels and sizes workspaces. The LoRA ops need it
+                # only where they meet new launch configs: from the largest size down,
+                # a smaller batch on the same configs needs no more workspace.
+                self._forward(bs, case and lora_kernels not in warmed_lora)
+                if case:
+                    warmed_lora.add(lora_kernels)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     logits = self._forward(bs, case)

@@ -1,0 +1,124 @@
+"""What LoRA adds to one linear layer of the Llama-3-8B shape, on CUDA.
+
+    python benchmarks/lora_layer.py --json lora_layer.json
+
+For each layer class (merged QKV, o, merged gate/up, down) and token count T,
+with rank-16 adapters in 32 slots and every token on one of them (mixed), it
+times by CUDA graph replay (bf16):
+
+  base    y = x @ W.T
+  lora    y = x @ W.T, then add_lora_linear(y, ...) (what LinearWithLoRA does)
+  alone   add_lora_linear(y, ...) by itself
+
+and reports each, with the LoRA overhead (lora - base). Each timed call cycles
+through independent weight and activation sets, so weights come from device
+memory as in a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import triton.testing
+from loraserve.kernels import LoRAMetadata, add_lora_linear
+
+# Llama-3-8B: (K, output slices).
+SHAPES = {
+    "qkv": (4096, [4096, 1024, 1024]),
+    "o": (4096, [4096]),
+    "gate_up": (4096, [14336, 14336]),
+    "down": (14336, [4096]),
+}
+TOKENS = [1, 32, 256, 1024, 4096, 8192]
+NUM_SLOTS = 32
+RANK = 16
+# Rotated sets of weights and activations: a few times the 60 MB L2 of an H200.
+ROTATE_BYTES = 600 << 20
+MAX_SETS = 4
+
+
+def time_graph(fn, calls: int) -> float:
+    """Median µs of one call of fn, from replays of a graph of `calls` calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = triton.testing.do_bench(graph.replay, warmup=5, rep=50, return_mode="median")
+    return ms * 1e3 / calls
+
+
+def run_point(name: str, t: int, num_adapters: int) -> dict:
+    k, widths = SHAPES[name]
+    n = sum(widths)
+    dt = torch.bfloat16
+    per_set = 2 * (n * k + t * (k + n) + NUM_SLOTS * RANK * (len(widths) * k + n))
+    n_sets = max(2, min(MAX_SETS, ROTATE_BYTES // per_set))
+    gen = torch.Generator(device="cuda").manual_seed(t + len(name))
+    sets = []
+    for _ in range(n_sets):
+        w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(dt)
+        x = torch.randn(t, k, device="cuda", generator=gen).to(dt)
+        y = torch.empty(t, n, device="cuda", dtype=dt)
+        a = [(torch.randn(NUM_SLOTS, RANK, k, device="cuda", generator=gen) / k**0.5).to(dt)
+             for _ in widths]
+        b = [(torch.randn(NUM_SLOTS, m, RANK, device="cuda", generator=gen) / 4).to(dt)
+             for m in widths]
+        sets.append((w, x, y, a, b))
+    slots = (torch.arange(t, device="cuda") % num_adapters).to(torch.int32)
+    slots = slots[torch.randperm(t, device="cuda", generator=gen)]
+    meta = LoRAMetadata(t, NUM_SLOTS, "cuda").update(slots)
+
+    def base():
+        for w, x, y, _, _ in sets:
+            torch.mm(x, w.t(), out=y)
+
+    def alone():
+        for _, x, y, a, b in sets:
+            add_lora_linear(y, x, a, b, slots, meta)
+
+    def lora():
+        for w, x, y, a, b in sets:
+            torch.mm(x, w.t(), out=y)
+            add_lora_linear(y, x, a, b, slots, meta)
+
+    row = {"layer": name, "T": t, "adapters": num_adapters}
+    for label, fn in (("base", base), ("lora", lora), ("alone", alone)):
+        row[f"{label}_us"] = time_graph(fn, len(sets))
+    row["overhead_us"] = row["lora_us"] - row["base_us"]
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
+    p.add_argument("--adapters", type=int, default=32)
+    args = p.parse_args()
+    rows = []
+    print("| layer | T | base µs | with LoRA µs | LoRA overhead µs | add_lora_linear alone µs |")
+    print("|---|---|---|---|---|---|")
+    for name in SHAPES:
+        for t in args.tokens:
+            r = run_point(name, t, min(args.adapters, t))
+            rows.append(r)
+            torch.cuda.empty_cache()
+            cells = [r[f"{c}_us"] for c in ("base", "lora", "overhead", "alone")]
+            print(f"| {name} | {t} | " + " | ".join(f"{v:.1f}" for v in cells) + " |",
+                  flush=True)
+    result = {"command": " ".join(["python", *sys.argv]),
+              "device": torch.cuda.get_device_name(), "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
