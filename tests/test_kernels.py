@@ -167,6 +167,27 @@ def test_several_n_blocks_per_program_across_slices(monkeypatch):
     check(y, x, a, b, slots)
 
 
+@pytest.mark.parametrize("t", [1, 5, 64, 300])
+def test_launch_configs_name_the_configs_a_call_launches(monkeypatch, t):
+    # Graph capture warms the LoRA ops once per launch_configs value: it must change
+    # whenever the configs the call launches change.
+    launched = []
+    for name in ("launch_shrink", "launch_expand"):
+        real = getattr(lora_ops, name)
+
+        def record(*args, real=real, **kwargs):
+            launched.append(next(a for a in args if isinstance(a, dict)))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(lora_ops, name, record)
+    widths = [16, 8, 8, 24]
+    y, x, a, b, slots = make_case(t, 67, 8, 2, widths, torch.float32, seed=t)
+    lora_ops.add_lora_linear(y, x, a, b, slots)
+    shrink, expand = lora_ops.launch_configs(t, 67, widths, 8)
+    assert [tuple(sorted(c.items())) for c in launched[0::2]] == list(shrink)
+    assert all(tuple(sorted(c.items())) == expand for c in launched[1::2])
+
+
 def test_workspace_numel_matches_call():
     y, x, a, b, slots = make_case(17, 300, 16, 4, [32, 8, 8], torch.float32, seed=9)
     need = lora_ops.workspace_numel(17, 300, 16, 3)
