@@ -22,36 +22,17 @@ import json
 import sys
 
 import torch
-import triton.testing
 from loraserve.kernels import LoRAMetadata, add_lora_linear
+from tune_kernels import SHRINK_CLASSES as SHAPES  # Llama-3-8B: (K, output slices)
 
-# Llama-3-8B: (K, output slices).
-SHAPES = {
-    "qkv": (4096, [4096, 1024, 1024]),
-    "o": (4096, [4096]),
-    "gate_up": (4096, [14336, 14336]),
-    "down": (14336, [4096]),
-}
+from kernels import time_graph
+
 TOKENS = [1, 32, 256, 1024, 4096, 8192]
 NUM_SLOTS = 32
 RANK = 16
 # Rotated sets of weights and activations: a few times the 60 MB L2 of an H200.
 ROTATE_BYTES = 600 << 20
 MAX_SETS = 4
-
-
-def time_graph(fn, calls: int) -> float:
-    """Median µs of one call of fn, from replays of a graph of `calls` calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    ms = triton.testing.do_bench(graph.replay, warmup=5, rep=50, return_mode="median")
-    return ms * 1e3 / calls
 
 
 def run_point(name: str, t: int, num_adapters: int) -> dict:
