@@ -41,59 +41,49 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.max_loras = max_loras
-        labels = ["model_name"]
         reg = self.registry
 
-        self.num_running = Gauge(
-            PREFIX + "num_requests_running",
-            "Number of requests in model execution batches.",
-            labels, registry=reg,
-        ).labels(model_name)
-        self.num_waiting = Gauge(
-            PREFIX + "num_requests_waiting",
-            "Number of requests waiting to be processed.",
-            labels, registry=reg,
-        ).labels(model_name)
-        self.kv_cache_usage = Gauge(
-            PREFIX + "kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            labels, registry=reg,
-        ).labels(model_name)
-        self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens",
-            "Number of prefill tokens processed.",
-            labels, registry=reg,
-        ).labels(model_name)
-        self.generation_tokens = Counter(
-            PREFIX + "generation_tokens",
-            "Number of generation tokens processed.",
-            labels, registry=reg,
-        ).labels(model_name)
+        def per_model(kind, name: str, doc: str, **kwargs):
+            # One series of this model: the metric with its model_name label bound.
+            return kind(PREFIX + name, doc, ["model_name"], registry=reg, **kwargs).labels(
+                model_name
+            )
+
+        self.num_running = per_model(
+            Gauge, "num_requests_running", "Number of requests in model execution batches."
+        )
+        self.num_waiting = per_model(
+            Gauge, "num_requests_waiting", "Number of requests waiting to be processed."
+        )
+        self.kv_cache_usage = per_model(
+            Gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+        self.prompt_tokens = per_model(
+            Counter, "prompt_tokens", "Number of prefill tokens processed."
+        )
+        self.generation_tokens = per_model(
+            Counter, "generation_tokens", "Number of generation tokens processed."
+        )
         self.request_success = Counter(
             PREFIX + "request_success",
             "Count of finished requests, by finish reason.",
             ["model_name", "finished_reason"], registry=reg,
         )
-        self.num_preemptions = Counter(
-            PREFIX + "num_preemptions",
-            "Cumulative number of preemptions from the engine.",
-            labels, registry=reg,
-        ).labels(model_name)
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            labels, buckets=_LATENCY_BUCKETS, registry=reg,
-        ).labels(model_name)
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            labels, buckets=_ITL_BUCKETS, registry=reg,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "Histogram of end-to-end request latency in seconds.",
-            labels, buckets=_LATENCY_BUCKETS, registry=reg,
-        ).labels(model_name)
+        self.num_preemptions = per_model(
+            Counter, "num_preemptions", "Cumulative number of preemptions from the engine."
+        )
+        self.ttft = per_model(
+            Histogram, "time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.", buckets=_LATENCY_BUCKETS,
+        )
+        self.itl = per_model(
+            Histogram, "inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.", buckets=_ITL_BUCKETS,
+        )
+        self.e2e = per_model(
+            Histogram, "e2e_request_latency_seconds",
+            "Histogram of end-to-end request latency in seconds.", buckets=_LATENCY_BUCKETS,
+        )
         self._resident: set[tuple[str, str]] = set()
         self._preemptions_seen = 0
         self.lora_info: Gauge | None = None
