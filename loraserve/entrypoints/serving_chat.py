@@ -7,8 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from loraserve.engine.core_client import EngineDeadError
-from loraserve.entrypoints.errors import APIError, bad_request, engine_unavailable
+from loraserve.entrypoints.errors import bad_request, engine_unavailable
 from loraserve.entrypoints.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -24,15 +23,15 @@ from loraserve.entrypoints.protocol import (
     random_id,
 )
 from loraserve.entrypoints.serving_common import (
-    SSE_DONE,
     OpenAIServing,
     TokenText,
     build_sampling_params,
     check_unsupported,
+    final_outputs,
     finish_error,
     resolve_max_tokens,
     sse,
-    sse_error,
+    sse_events,
     top_entries,
 )
 
@@ -107,7 +106,9 @@ class OpenAIServingChat(OpenAIServing):
         model_name = request.model or self.models.base_model_name
         token_text = TokenText(self.tokenizer, bool(request.return_tokens_as_token_ids))
         if request.stream:
-            return self._stream(request, request_id, model_name, len(ids), stream, token_text)
+            return sse_events(
+                self._stream(request, request_id, model_name, len(ids), stream, token_text)
+            )
         return await self._full(request, request_id, model_name, len(ids), stream, token_text)
 
     async def _full(
@@ -119,16 +120,7 @@ class OpenAIServingChat(OpenAIServing):
         stream: AsyncIterator[Any],
         token_text: TokenText,
     ) -> ChatCompletionResponse:
-        final = None
-        try:
-            async for output in stream:
-                final = output
-        except EngineDeadError as exc:
-            raise engine_unavailable() from exc
-        outputs = sorted(final.outputs, key=lambda o: o.index)
-        error = finish_error(outputs)
-        if error is not None:
-            raise error
+        (outputs,) = await final_outputs([stream])
         choices = [
             ChatCompletionChoice(
                 index=out.index,
@@ -177,46 +169,34 @@ class OpenAIServingChat(OpenAIServing):
                                                                           content=""))])
         finished: set[int] = set()
         completion_tokens = 0
-        try:
-            async with aclosing(stream):
-                async for output in stream:
-                    for out in output.outputs:
-                        if out.index in finished:
-                            continue
-                        if out.finish_reason == "error":
-                            yield sse_error(finish_error([out]))
-                            yield SSE_DONE
-                            return
-                        completion_tokens += len(out.delta_token_ids)
-                        # One chunk per step that made tokens, as vLLM does, even when
-                        # they give no text yet (half a character, a possible stop
-                        # string): clients time tokens by chunks.
-                        if not out.delta_text and not out.delta_token_ids and not out.finish_reason:
-                            continue
-                        if out.finish_reason is not None:
-                            finished.add(out.index)
-                        logprobs = None
-                        if request.logprobs:
-                            logprobs = _logprobs(out.delta_token_ids, out.delta_logprobs,
-                                                 request.top_logprobs or 0, token_text)
-                        yield chunk([ChatStreamChoice(
-                            index=out.index,
-                            delta=DeltaMessage(content=out.delta_text),
-                            logprobs=logprobs,
-                            finish_reason=out.finish_reason,
-                            stop_reason=out.stop_reason,
-                        )])
-        except EngineDeadError:
-            yield sse_error(engine_unavailable())
-            yield SSE_DONE
-            return
-        except APIError as exc:
-            yield sse_error(exc)
-            yield SSE_DONE
-            return
+        async with aclosing(stream):
+            async for output in stream:
+                for out in output.outputs:
+                    if out.index in finished:
+                        continue
+                    if out.finish_reason == "error":
+                        raise finish_error([out])
+                    completion_tokens += len(out.delta_token_ids)
+                    # One chunk per step that made tokens, as vLLM does, even when
+                    # they give no text yet (half a character, a possible stop
+                    # string): clients time tokens by chunks.
+                    if not out.delta_text and not out.delta_token_ids and not out.finish_reason:
+                        continue
+                    if out.finish_reason is not None:
+                        finished.add(out.index)
+                    logprobs = None
+                    if request.logprobs:
+                        logprobs = _logprobs(out.delta_token_ids, out.delta_logprobs,
+                                             request.top_logprobs or 0, token_text)
+                    yield chunk([ChatStreamChoice(
+                        index=out.index,
+                        delta=DeltaMessage(content=out.delta_text),
+                        logprobs=logprobs,
+                        finish_reason=out.finish_reason,
+                        stop_reason=out.stop_reason,
+                    )])
         if include_usage:
             yield chunk([], UsageInfo.of(prompt_len, completion_tokens))
-        yield SSE_DONE
 
 
 def _logprobs(

@@ -11,7 +11,8 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loraserve.entrypoints.errors import APIError, bad_request
+from loraserve.engine.core_client import EngineDeadError
+from loraserve.entrypoints.errors import APIError, bad_request, engine_unavailable
 from loraserve.entrypoints.protocol import SamplingFields
 from loraserve.sampling_params import SamplingParams
 
@@ -174,6 +175,39 @@ def finish_error(outputs: list[Any]) -> APIError | None:
         if output.finish_reason == "error":
             return bad_request(output.error or "The request failed in the engine.")
     return None
+
+
+async def final_outputs(streams: list[AsyncIterator[Any]]) -> list[list[Any]]:
+    """Run the streams of a non-streamed request to the end: each one's sequences,
+    in index order. A sequence the engine failed raises its 400, a dead engine 503."""
+    finals: dict[int, Any] = {}
+    try:
+        async for index, output in merge_streams(streams):
+            finals[index] = output
+    except EngineDeadError as exc:
+        raise engine_unavailable() from exc
+    results = []
+    for i in range(len(streams)):
+        outputs = sorted(finals[i].outputs, key=lambda o: o.index)
+        error = finish_error(outputs)
+        if error is not None:
+            raise error
+        results.append(outputs)
+    return results
+
+
+async def sse_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A streamed response: the events, then [DONE]. An error raised on the way (a
+    failed sequence, a dead engine) ends the stream with an error event first."""
+    try:
+        async with aclosing(events) as inner:
+            async for event in inner:
+                yield event
+    except EngineDeadError:
+        yield sse_error(engine_unavailable())
+    except APIError as exc:
+        yield sse_error(exc)
+    yield SSE_DONE
 
 
 async def merge_streams(

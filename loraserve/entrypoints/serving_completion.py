@@ -7,8 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from loraserve.engine.core_client import EngineDeadError
-from loraserve.entrypoints.errors import APIError, bad_request, engine_unavailable
+from loraserve.entrypoints.errors import bad_request, engine_unavailable
 from loraserve.entrypoints.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -18,16 +17,16 @@ from loraserve.entrypoints.protocol import (
     random_id,
 )
 from loraserve.entrypoints.serving_common import (
-    SSE_DONE,
     OpenAIServing,
     TokenText,
     build_sampling_params,
     check_unsupported,
+    final_outputs,
     finish_error,
     merge_streams,
     resolve_max_tokens,
     sse,
-    sse_error,
+    sse_events,
     top_entries,
 )
 
@@ -91,7 +90,9 @@ class OpenAIServingCompletion(OpenAIServing):
         model_name = request.model or self.models.base_model_name
         token_text = TokenText(self.tokenizer, bool(request.return_tokens_as_token_ids))
         if request.stream:
-            return self._stream(request, request_id, model_name, prompts, streams, token_text)
+            return sse_events(
+                self._stream(request, request_id, model_name, prompts, streams, token_text)
+            )
         return await self._full(request, request_id, model_name, prompts, streams, token_text)
 
     async def _full(
@@ -103,19 +104,9 @@ class OpenAIServingCompletion(OpenAIServing):
         streams: list[AsyncIterator[Any]],
         token_text: TokenText,
     ) -> CompletionResponse:
-        finals: dict[int, Any] = {}
-        try:
-            async for index, output in merge_streams(streams):
-                finals[index] = output
-        except EngineDeadError as exc:
-            raise engine_unavailable() from exc
         choices = []
         completion_tokens = 0
-        for i in range(len(prompts)):
-            outputs = sorted(finals[i].outputs, key=lambda o: o.index)
-            error = finish_error(outputs)
-            if error is not None:
-                raise error
+        for i, outputs in enumerate(await final_outputs(streams)):
             for out in outputs:
                 prefix = (prompts[i][0] or "") if request.echo else ""
                 logprobs = None
@@ -152,56 +143,44 @@ class OpenAIServingCompletion(OpenAIServing):
         offsets: dict[int, int] = {}
         finished: set[int] = set()
         completion_tokens = 0
-        try:
-            async with aclosing(merge_streams(streams)) as merged:
-                async for i, output in merged:
-                    for out in output.outputs:
-                        index = i * request.n + out.index
-                        if index in finished:
-                            continue
-                        if out.finish_reason == "error":
-                            yield sse_error(finish_error([out]))
-                            yield SSE_DONE
-                            return
-                        text = out.delta_text
-                        if index not in offsets:
-                            offsets[index] = 0
-                            if request.echo:
-                                text = (prompts[i][0] or "") + text
-                        completion_tokens += len(out.delta_token_ids)
-                        # One chunk per step that made tokens, as vLLM does, even when
-                        # they give no text yet (half a character, a possible stop
-                        # string): clients time tokens by chunks.
-                        if not text and not out.delta_token_ids and out.finish_reason is None:
-                            continue
-                        logprobs = None
-                        if request.logprobs is not None:
-                            logprobs = _logprobs(out.delta_token_ids, out.delta_logprobs,
-                                                 request.logprobs, token_text, offsets[index])
-                        offsets[index] += len(text)
-                        if out.finish_reason is not None:
-                            finished.add(index)
-                        choice = CompletionChoice(
-                            index=index,
-                            text=text,
-                            logprobs=logprobs,
-                            finish_reason=out.finish_reason,
-                            stop_reason=out.stop_reason,
-                        )
-                        yield sse(_chunk(request_id, created, model_name, [choice.model_dump()]))
-        except EngineDeadError:
-            yield sse_error(engine_unavailable())
-            yield SSE_DONE
-            return
-        except APIError as exc:
-            yield sse_error(exc)
-            yield SSE_DONE
-            return
+        async with aclosing(merge_streams(streams)) as merged:
+            async for i, output in merged:
+                for out in output.outputs:
+                    index = i * request.n + out.index
+                    if index in finished:
+                        continue
+                    if out.finish_reason == "error":
+                        raise finish_error([out])
+                    text = out.delta_text
+                    if index not in offsets:
+                        offsets[index] = 0
+                        if request.echo:
+                            text = (prompts[i][0] or "") + text
+                    completion_tokens += len(out.delta_token_ids)
+                    # One chunk per step that made tokens, as vLLM does, even when
+                    # they give no text yet (half a character, a possible stop
+                    # string): clients time tokens by chunks.
+                    if not text and not out.delta_token_ids and out.finish_reason is None:
+                        continue
+                    logprobs = None
+                    if request.logprobs is not None:
+                        logprobs = _logprobs(out.delta_token_ids, out.delta_logprobs,
+                                             request.logprobs, token_text, offsets[index])
+                    offsets[index] += len(text)
+                    if out.finish_reason is not None:
+                        finished.add(index)
+                    choice = CompletionChoice(
+                        index=index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=out.finish_reason,
+                        stop_reason=out.stop_reason,
+                    )
+                    yield sse(_chunk(request_id, created, model_name, [choice.model_dump()]))
         if include_usage:
             prompt_tokens = sum(len(ids) for _, ids in prompts)
             usage = UsageInfo.of(prompt_tokens, completion_tokens)
             yield sse(_chunk(request_id, created, model_name, [], usage.model_dump()))
-        yield SSE_DONE
 
 
 def _chunk(request_id: str, created: int, model: str, choices: list, usage: Any = None) -> dict:
