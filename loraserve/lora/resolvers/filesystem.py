@@ -24,6 +24,18 @@ def is_lora_dir(path: Path) -> bool:
     return isinstance(config, dict) and config.get("peft_type", "LORA") == "LORA"
 
 
+def adapter_request(lora_name: str, path: Path, base_model_name: str) -> LoRARequest | None:
+    """The request for the adapter in path, or None when path holds no LoRA adapter."""
+    if not is_lora_dir(path):
+        return None
+    return LoRARequest(
+        lora_name=lora_name,
+        lora_int_id=1,
+        lora_path=str(path),
+        base_model_name=base_model_name,
+    )
+
+
 class FilesystemResolver(LoRAResolver):
     """``<cache_dir>/<lora_name>/`` is the adapter called lora_name."""
 
@@ -33,14 +45,9 @@ class FilesystemResolver(LoRAResolver):
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
         candidate = (self.cache_dir / lora_name).resolve()
         # A name like "../x" must not reach outside the cache folder.
-        if candidate.parent != self.cache_dir or not is_lora_dir(candidate):
+        if candidate.parent != self.cache_dir:
             return None
-        return LoRARequest(
-            lora_name=lora_name,
-            lora_int_id=1,
-            lora_path=str(candidate),
-            base_model_name=base_model_name,
-        )
+        return adapter_request(lora_name, candidate, base_model_name)
 
 
 def create_resolver() -> FilesystemResolver | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.resolver import LoRAResolver
-from loraserve.lora.resolvers.filesystem import is_lora_dir
+from loraserve.lora.resolvers.filesystem import adapter_request
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +56,7 @@ class HFHubResolver(LoRAResolver):
             logger.warning("could not download LoRA adapter %r from %r: %s", lora_name, repo, exc)
             return None
         path = Path(local) / subfolder if subfolder else Path(local)
-        if not is_lora_dir(path):
-            return None
-        return LoRARequest(
-            lora_name=lora_name,
-            lora_int_id=1,
-            lora_path=str(path),
-            base_model_name=base_model_name,
-        )
+        return adapter_request(lora_name, path, base_model_name)
 
 
 def create_resolver() -> HFHubResolver | None:
