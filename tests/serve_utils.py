@@ -162,6 +162,14 @@ class ServerProcess:
             pass
         wait_until(self.all_gone, max(0.0, timeout_s - (time.monotonic() - start)))
 
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # A graceful stop, then SIGKILL for whatever did not go.
+        self.stop()
+        self.kill()
+
     def kill(self) -> None:
         """Last resort (and test teardown): SIGKILL whatever is left."""
         for pid in [self.proc.pid, *self._all_pids]:

@@ -36,16 +36,12 @@ ADAPTERS = ["sql", "poet"]
 
 @pytest.fixture(scope="module")
 def server(llama_dir, llama_adapters):
-    srv = ServerProcess([
+    with ServerProcess([
         llama_dir, "--served-model-name", "base", "--enable-lora", "--max-loras", "2",
         "--max-num-seqs", "16",
         "--lora-modules", f"sql={llama_adapters['r8']}", f"poet={llama_adapters['r16_qv']}",
-    ])
-    try:
+    ]) as srv:
         yield srv
-    finally:
-        srv.stop()
-        srv.kill()
 
 
 @pytest.mark.parametrize("rate_args", [["--request-rate", "inf"],

@@ -32,7 +32,7 @@ def adapters(llama_adapters) -> dict[str, str | None]:
 
 @pytest.fixture(scope="module")
 def server(llama_dir, adapters):
-    srv = ServerProcess(
+    with ServerProcess(
         [
             llama_dir, "--served-model-name", "base", "--enable-lora", "--max-loras", "1",
             "--max-cpu-loras", "2", "--max-num-seqs", "16",
@@ -40,12 +40,8 @@ def server(llama_dir, adapters):
             json.dumps({"name": "poet", "path": adapters["poet"]}),
         ],
         api_key=API_KEY,
-    )
-    try:
+    ) as srv:
         yield srv
-    finally:
-        srv.stop()
-        srv.kill()
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ def resolver_dir(workdir, llama_adapters) -> str:
 def server(llama_dir, llama_adapters, fragile, resolver_dir):
     # Four start-up adapters and room for two in CPU memory: `fragile` and `slow`
     # are evicted at once, so their first requests load them in the background.
-    srv = ServerProcess(
+    with ServerProcess(
         [
             llama_dir, "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "2",
             "--served-model-name", "base",
@@ -55,12 +55,8 @@ def server(llama_dir, llama_adapters, fragile, resolver_dir):
             "LORASERVE_LORA_RESOLVER_CACHE_DIR": resolver_dir,
             "LORASERVE_TEST_LORA_LOAD_DELAY": f"slow={SLOW_LOAD_S},slowrt={SLOW_LOAD_S}",
         },
-    )
-    try:
+    ) as srv:
         yield srv
-    finally:
-        srv.stop()
-        srv.kill()
 
 
 @pytest.fixture(scope="module")

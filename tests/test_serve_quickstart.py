@@ -18,12 +18,11 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
                     reason="the demo adapter (examples/adapters/pirate) is not built")
 def test_quickstart_chat_through_the_demo_adapter():
     # The README's command, run from the repository root.
-    server = ServerProcess(
+    with ServerProcess(
         ["smollm2-135m-instruct", "--enable-lora",
          "--lora-modules", "pirate=examples/adapters/pirate"],
         cwd=str(ROOT),
-    )
-    try:
+    ) as server:
         client = server.openai()
         assert {m.id for m in client.models.list().data} == {"smollm2-135m-instruct", "pirate"}
 
@@ -36,6 +35,3 @@ def test_quickstart_chat_through_the_demo_adapter():
         assert "arr" in pirate.lower(), pirate
         assert "arr" not in base.lower(), base
         assert "paris" in base.lower(), base
-    finally:
-        server.stop()
-        server.kill()
