@@ -38,7 +38,7 @@ if has tune; then
   stamp tune
   timeout "${TUNE_TIMEOUT:-150}" python3 benchmarks/tune_kernels.py --merge \
       --out kernels/configs/NVIDIA_H200.json --classes ${TUNE_CLASSES:-gate_up down} \
-      --tokens ${TUNE_TOKENS:-256 1024 4096} --ranks 16 --budget-s "${TUNE_BUDGET:-110}" \
+      --tokens ${TUNE_TOKENS:-256 1024 4096} --ranks 16 --budget-s "${TUNE_BUDGET:-110}" ${TUNE_ARGS:-} \
       > "$OUT/tune.log" 2>&1
   echo "tune rc=$?" >> "$OUT/tune.log"
   cp kernels/configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
@@ -56,7 +56,7 @@ fi
 if has layer; then
   # What LoRA adds to each linear layer class.
   stamp layer
-  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/lora_layer.py --json "$OUT/lora_layer.json" \
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/lora_layer.py --json "$OUT/lora_layer.json" ${LAYER_ARGS:-} \
       > "$OUT/lora_layer.log" 2>&1
   echo "layer rc=$?" >> "$OUT/lora_layer.log"
 fi

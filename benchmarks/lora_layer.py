@@ -7,12 +7,22 @@ with rank-16 adapters in 32 slots and every token on one of them (mixed), it
 times by CUDA graph replay (bf16):
 
   base    y = x @ W.T
-  lora    y = x @ W.T, then add_lora_linear(y, ...) (what LinearWithLoRA does)
+  lora    y = x @ W.T, then add_lora_linear(y, ...)
+  beside  what LinearWithLoRA does (PunicaWrapper.linear): the shrink on a side
+          stream beside x @ W.T, then the expand
   alone   add_lora_linear(y, ...) by itself
 
-and reports each, with the LoRA overhead (lora - base). Each timed call cycles
-through independent weight and activation sets, so weights come from device
-memory as in a model.
+and reports each, with the LoRA overhead (lora - base). For the merged gate/up
+layer it also times the layer with its activation:
+
+  base     silu_and_mul(x @ W.T)
+  unfused  x @ W.T, add_lora_linear, then silu_and_mul
+  fused    silu_and_mul_lora(x @ W.T, ...) (the update added inside the activation)
+  beside   the fused path with the shrink beside the GEMM, as the model runs it
+           (PunicaWrapper.linear_silu_and_mul)
+
+Each timed call cycles through independent weight and activation sets, so
+weights come from device memory as in a model.
 """
 
 from __future__ import annotations
@@ -22,10 +32,12 @@ import json
 import sys
 
 import torch
-from loraserve.kernels import LoRAMetadata, add_lora_linear
+from loraserve.kernels import add_lora_linear, silu_and_mul_lora
+from loraserve.kernels.activation import silu_and_mul
 from tune_kernels import SHRINK_CLASSES as SHAPES  # Llama-3-8B: (K, output slices)
 
 from kernels import time_graph
+from loraserve.lora.punica import PunicaWrapper
 
 TOKENS = [1, 32, 256, 1024, 4096, 8192]
 NUM_SLOTS = 32
@@ -35,7 +47,8 @@ ROTATE_BYTES = 600 << 20
 MAX_SETS = 4
 
 
-def run_point(name: str, t: int, num_adapters: int) -> dict:
+def make_sets(name: str, t: int, num_adapters: int):
+    """Rotated (W, x, y, A, B) sets of one layer class, and the step's metadata."""
     k, widths = SHAPES[name]
     n = sum(widths)
     dt = torch.bfloat16
@@ -54,7 +67,15 @@ def run_point(name: str, t: int, num_adapters: int) -> dict:
         sets.append((w, x, y, a, b))
     slots = (torch.arange(t, device="cuda") % num_adapters).to(torch.int32)
     slots = slots[torch.randperm(t, device="cuda", generator=gen)]
-    meta = LoRAMetadata(t, NUM_SLOTS, "cuda").update(slots)
+    # The model's wrapper holds the step's metadata (and the side stream).
+    punica = PunicaWrapper(t, NUM_SLOTS, torch.device("cuda"))
+    punica.update_mapping(slots.tolist())
+    return sets, slots, punica
+
+
+def run_point(name: str, t: int, num_adapters: int) -> dict:
+    sets, slots, punica = make_sets(name, t, num_adapters)
+    meta = punica.meta
 
     def base():
         for w, x, y, _, _ in sets:
@@ -69,10 +90,45 @@ def run_point(name: str, t: int, num_adapters: int) -> dict:
             torch.mm(x, w.t(), out=y)
             add_lora_linear(y, x, a, b, slots, meta)
 
+    def beside():
+        for w, x, y, a, b in sets:
+            punica.linear(lambda x, w=w, y=y: torch.mm(x, w.t(), out=y), x, a, b)
+
     row = {"layer": name, "T": t, "adapters": num_adapters}
-    for label, fn in (("base", base), ("lora", lora), ("alone", alone)):
+    for label, fn in (("base", base), ("lora", lora), ("beside", beside), ("alone", alone)):
         row[f"{label}_us"] = time_graph(fn, len(sets))
     row["overhead_us"] = row["lora_us"] - row["base_us"]
+    return row
+
+
+def run_activation_point(t: int, num_adapters: int) -> dict:
+    sets, slots, punica = make_sets("gate_up", t, num_adapters)
+    meta = punica.meta
+
+    def base():
+        for w, x, y, _, _ in sets:
+            torch.mm(x, w.t(), out=y)
+            silu_and_mul(y)
+
+    def unfused():
+        for w, x, y, a, b in sets:
+            torch.mm(x, w.t(), out=y)
+            add_lora_linear(y, x, a, b, slots, meta)
+            silu_and_mul(y)
+
+    def fused():
+        for w, x, y, a, b in sets:
+            torch.mm(x, w.t(), out=y)
+            silu_and_mul_lora(y, x, a, b, meta)
+
+    def beside():
+        for w, x, y, a, b in sets:
+            punica.linear_silu_and_mul(lambda x, w=w, y=y: torch.mm(x, w.t(), out=y), x, a, b)
+
+    row = {"layer": "gate_up+act", "T": t, "adapters": num_adapters}
+    for label, fn in (("base", base), ("unfused", unfused), ("fused", fused),
+                      ("beside", beside)):
+        row[f"{label}_us"] = time_graph(fn, len(sets))
     return row
 
 
@@ -81,18 +137,30 @@ def main() -> int:
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
     p.add_argument("--adapters", type=int, default=32)
+    p.add_argument("--classes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = p.parse_args()
     rows = []
-    print("| layer | T | base µs | with LoRA µs | LoRA overhead µs | add_lora_linear alone µs |")
-    print("|---|---|---|---|---|---|")
-    for name in SHAPES:
+    print("| layer | T | base µs | with LoRA µs | LoRA overhead µs | shrink beside µs "
+          "| add_lora_linear alone µs |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.classes:
         for t in args.tokens:
             r = run_point(name, t, min(args.adapters, t))
             rows.append(r)
             torch.cuda.empty_cache()
-            cells = [r[f"{c}_us"] for c in ("base", "lora", "overhead", "alone")]
+            cells = [r[f"{c}_us"] for c in ("base", "lora", "overhead", "beside", "alone")]
             print(f"| {name} | {t} | " + " | ".join(f"{v:.1f}" for v in cells) + " |",
                   flush=True)
+    print("\n| gate_up + activation | T | base µs | LoRA unfused µs | LoRA fused µs "
+          "| fused, shrink beside µs |")
+    print("|---|---|---|---|---|---|")
+    for t in args.tokens:
+        r = run_activation_point(t, min(args.adapters, t))
+        rows.append(r)
+        torch.cuda.empty_cache()
+        cells = [r[f"{c}_us"] for c in ("base", "unfused", "fused", "beside")]
+        print("| gate_up+act | " + f"{t} | " + " | ".join(f"{v:.1f}" for v in cells) + " |",
+              flush=True)
     result = {"command": " ".join(["python", *sys.argv]),
               "device": torch.cuda.get_device_name(), "rows": rows}
     if args.json:

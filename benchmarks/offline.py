@@ -84,6 +84,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--device", default="auto")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="alternate this many base and LoRA runs; report the medians")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -103,14 +105,26 @@ def main() -> None:
     if graphs is not None:
         results["graph_capture"] = {"seconds": graphs.capture_seconds,
                                     "bytes": graphs.capture_bytes, "graphs": len(graphs.graphs)}
-    results["base"] = run(llm, prompts, params, None)
-    print(json.dumps(results["base"]), flush=True)
+    per_prompt = None
     if args.adapters is not None:
         names = adapter_names(args.adapters, args.num_adapters)
         loras = [LoRARequest(n, i + 1, str(args.adapters / n)) for i, n in enumerate(names)]
         per_prompt = [loras[i % len(loras)] for i in range(len(prompts))]
-        gc.collect()
-        results["lora"] = run(llm, prompts, params, per_prompt)
+    # Base and LoRA runs alternate, so drifts of the machine's speed over the
+    # process (clocks, neighbours) reach both; each reports its median run.
+    runs: dict[str, list[dict]] = {"base": [], "lora": []}
+    for _ in range(args.repeats):
+        runs["base"].append(run(llm, prompts, params, None))
+        print(json.dumps(runs["base"][-1]), flush=True)
+        if per_prompt is not None:
+            gc.collect()
+            runs["lora"].append(run(llm, prompts, params, per_prompt))
+            print(json.dumps(runs["lora"][-1]), flush=True)
+    for name, done in runs.items():
+        if done:
+            results[name] = sorted(done, key=lambda r: r["output_tok_per_s"])[len(done) // 2]
+            if args.repeats > 1:
+                results[f"{name}_runs"] = done
     finish_report(results, args.json)
 
 

@@ -8,7 +8,9 @@ from the config in use (the table's, else the heuristic) and tries every value
 of one parameter at a time (two rounds), timing CUDA-graph replays of a few
 calls on rotating inputs, with tokens spread over 1 and over 32 adapters (the
 objective is the sum). The shrink is tuned together with the starting expand
-(its split-K sets the expand's work), then the expand with the chosen shrink.
+(its split-K sets the expand's work), then the expand with the chosen shrink;
+for the gate/up class, then the expand fused into SiLU-and-multiply
+(``silu_and_mul_lora``, the path the model runs) with the chosen shrink.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import triton.testing
 from loraserve.kernels import LoRAMetadata
 from loraserve.kernels import lora_config as lc
+from loraserve.kernels.lora_activation import launch_silu_and_mul
 from loraserve.kernels.lora_ops import launch_expand, launch_shrink
 
 SHRINK_CLASSES = {
@@ -79,16 +82,24 @@ class Case:
             ws = launch_shrink(x, a, self.meta, scfg)
             launch_expand(y, b, self.offsets, self.meta, ws, ecfg)
 
+    def run_silu(self, scfg, fcfg):
+        """The gate/up path of the model: shrink, then the fused activation."""
+        for i in range(CALLS):
+            y, x, a, b = self.sets[i % self.n_sets]
+            out = y[:, : self.widths[0]]  # any [T, I] buffer will do
+            ws = launch_shrink(x, a, self.meta, scfg)
+            launch_silu_and_mul(y, out, b, self.meta, ws, fcfg)
 
-def time_cfg(cases, scfg, ecfg) -> float:
+
+def time_cfg(cases, scfg, ecfg, run=Case.run) -> float:
     total = 0.0
     for c in cases:
         try:
-            c.run(scfg, ecfg)  # compiles; also grows the workspace outside capture
+            run(c, scfg, ecfg)  # compiles; also grows the workspace outside capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                c.run(scfg, ecfg)
+                run(c, scfg, ecfg)
             ms = triton.testing.do_bench(graph.replay, warmup=2, rep=15, return_mode="median")
         except Exception as e:  # out of resources for this block shape, etc.
             print(f"  skip {scfg} {ecfg}: {type(e).__name__}", flush=True)
@@ -140,14 +151,17 @@ def main() -> int:
                    default=list(SHRINK_CLASSES))
     p.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
     p.add_argument("--ranks", nargs="+", type=int, default=RANKS)
+    p.add_argument("--kinds", nargs="+", choices=list(lc.TABLE_KINDS),
+                   default=list(lc.TABLE_KINDS),
+                   help="what to tune (an untuned shrink stays at the config in use)")
     p.add_argument("--merge", action="store_true",
                    help="keep the entries already in --out that this run does not tune")
     args = p.parse_args()
     t_start = time.time()
-    result = {"device": torch.cuda.get_device_name(), "shrink": {}, "expand": {}}
+    result = {"device": torch.cuda.get_device_name(), **{kind: {} for kind in lc.TABLE_KINDS}}
     if args.merge and Path(args.out).is_file():
         old = json.loads(Path(args.out).read_text())
-        for kind in ("shrink", "expand"):
+        for kind in lc.TABLE_KINDS:
             result[kind].update(old.get(kind, {}))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -174,16 +188,19 @@ def main() -> int:
                 # Start from what the kernels use now (the table, else the heuristic).
                 e0 = lc.expand_config(t, n_total, r)
                 s0 = lc.shrink_config(t, k, r, ns)
-                sbest, st, s_def = descend(
-                    s0,
-                    SHRINK_SPACE,
-                    lambda c, cases=cases, e0=e0: time_cfg(cases, c, e0),
-                    lambda c, t=t, k=k: valid_shrink(c, t, k),
-                )
-                result["shrink"][lc.shrink_key(t, k, r, ns)] = sbest
+                msg = f"R{r} K{k} N{n_total} T{t}:"
+                sbest = s0
+                if "shrink" in args.kinds:
+                    sbest, st, s_def = descend(
+                        s0,
+                        SHRINK_SPACE,
+                        lambda c, cases=cases, e0=e0: time_cfg(cases, c, e0),
+                        lambda c, t=t, k=k: valid_shrink(c, t, k),
+                    )
+                    result["shrink"][lc.shrink_key(t, k, r, ns)] = sbest
+                    msg += f" shrink+expand {s_def:.1f} -> {st:.1f} us"
                 ekey = lc.expand_key(t, n_total, r)
-                msg = f"R{r} K{k} N{n_total} T{t}: shrink+expand {s_def:.1f} -> {st:.1f} us"
-                if ekey not in done_expand:
+                if "expand" in args.kinds and ekey not in done_expand:
                     ebest, et, e_def = descend(
                         e0,
                         EXPAND_SPACE,
@@ -193,6 +210,16 @@ def main() -> int:
                     result["expand"][ekey] = ebest
                     done_expand.add(ekey)
                     msg += f"; expand tuned {e_def:.1f} -> {et:.1f} us"
+                if "silu" in args.kinds and ns == 2 and widths[0] == widths[1]:
+                    fbest, ft, f_def = descend(
+                        lc.silu_config(t, widths[0], r),
+                        EXPAND_SPACE,
+                        lambda c, cases=cases, sbest=sbest: time_cfg(
+                            cases, sbest, c, run=Case.run_silu),
+                        lambda c, t=t: valid_expand(c, t),
+                    )
+                    result["silu"][lc.silu_key(t, widths[0], r)] = fbest
+                    msg += f"; fused activation {f_def:.1f} -> {ft:.1f} us"
                 print(msg, sbest, flush=True)
                 del cases
                 save()

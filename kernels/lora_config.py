@@ -27,6 +27,9 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 # T buckets the tuner measures; a lookup snaps T to the nearest bucket (log scale).
 T_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 MAX_SPLIT_K = 64
+# Sections of a tuned table: the shrink, the expand, and the gate/up expand fused
+# into SiLU-and-multiply (lora_activation).
+TABLE_KINDS = ("shrink", "expand", "silu")
 
 
 def next_pow2(n: int) -> int:
@@ -53,6 +56,10 @@ def shrink_key(num_tokens: int, k: int, rank: int, num_slices: int) -> str:
 
 def expand_key(num_tokens: int, n_total: int, rank: int) -> str:
     return f"T{t_bucket(num_tokens)}_N{n_total}_R{rank_block(rank)}"
+
+
+def silu_key(num_tokens: int, width: int, rank: int) -> str:
+    return f"T{t_bucket(num_tokens)}_I{width}_R{rank_block(rank)}"
 
 
 def _device_name() -> str | None:
@@ -85,12 +92,12 @@ def _tuned_table() -> dict[str, dict[str, dict[str, int]]]:
         return {}
     with open(path) as f:
         data = json.load(f)
-    return {k: data.get(k, {}) for k in ("shrink", "expand")}
+    return {k: data.get(k, {}) for k in TABLE_KINDS}
 
 
 def reload_tuned_table() -> None:
     """Forget the cached JSON and lookups (after writing a new file)."""
-    for f in (_tuned_table, _num_sms, shrink_config, expand_config):
+    for f in (_tuned_table, _num_sms, shrink_config, expand_config, silu_config):
         f.cache_clear()
 
 
@@ -177,3 +184,14 @@ def expand_config(num_tokens: int, n_total: int, rank: int) -> dict[str, Any]:
         cfg.update(tuned)
     return cfg
 
+
+
+@lru_cache(maxsize=4096)
+def silu_config(num_tokens: int, width: int, rank: int) -> dict[str, Any]:
+    """The fused gate/up expand + activation over [T, 2 * width]: by default the
+    expand's config (its tiles are the expand's, two slices a block)."""
+    cfg = dict(expand_config(num_tokens, 2 * width, rank))
+    tuned = _lookup(_tuned_table().get("silu", {}), silu_key(num_tokens, width, rank))
+    if tuned:
+        cfg.update(tuned)
+    return cfg

@@ -66,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lora_config import expand_config, next_pow2, rank_block, shrink_config
+from .lora_config import expand_config, next_pow2, rank_block, shrink_config, silu_config
 from .lora_meta import LoRAMetadata, build_lora_metadata
 
 # Slices handled by one launch pair; more slices use more launch pairs.
@@ -87,13 +87,17 @@ def _slot_tile(
     slot_start_ptr,
     slot_count_ptr,
     num_slots,
+    num_tokens,
     BLOCK_M: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    WITH_REST: tl.constexpr,
 ):
     """Map a token-tile index to (slot, first sorted position, rows left).
 
     Tiles are numbered slot by slot; every slot with c tokens owns cdiv(c, BLOCK_M)
-    tiles. A program whose index is past the last tile gets slot == num_slots.
+    tiles. A program whose index is past the last tile gets slot == num_slots;
+    with WITH_REST the tokens without an adapter (sorted last) own the tiles
+    after those, as slot num_slots, and rows_left <= 0 marks the spare programs.
     """
     offs_s = tl.arange(0, BLOCK_S)
     smask = offs_s < num_slots
@@ -106,6 +110,11 @@ def _slot_tile(
     row0 = (pid_m - tl.sum(tl.where(sel, cum - ntiles, 0), axis=0)) * BLOCK_M
     rows_left = tl.sum(tl.where(sel, cnt, 0), axis=0) - row0
     pos0 = tl.sum(tl.where(sel, start, 0), axis=0) + row0
+    if WITH_REST:
+        if slot >= num_slots:
+            row0 = (pid_m - tl.sum(ntiles, axis=0)) * BLOCK_M
+            pos0 = tl.sum(cnt, axis=0) + row0
+            rows_left = num_tokens - pos0
     return slot, pos0, rows_left
 
 
@@ -189,6 +198,39 @@ def _slice_of_nblock(pid_n, nb0, nb1, NUM_SLICES: tl.constexpr):
 
 
 @triton.jit
+def _expand_delta(
+    b_ptr,
+    xa,
+    slot,
+    offs_n,
+    n_mask,
+    stride_bs,
+    R,
+    stride_bn,
+    stride_br,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """fp32 [BLOCK_M, BLOCK_N]: xa (the fp32 shrink) @ B[slot, offs_n].T"""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    b_ptrs = (
+        b_ptr
+        + slot.to(tl.int64) * stride_bs
+        + offs_n[:, None] * stride_bn
+        + offs_r[None, :] * stride_br
+    )
+    b = tl.load(b_ptrs, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    # Round the fp32 shrink once to the weight dtype for the tensor-core product.
+    xa = xa.to(b.dtype)
+    if DOT_FP32:
+        xa = xa.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(xa, tl.trans(b), input_precision=PRECISION)
+
+
+@triton.jit
 def _expand_tile(
     y_ptr,
     b_ptr,
@@ -219,23 +261,12 @@ def _expand_tile(
         n_width = (n_width // ALIGN) * ALIGN
         y_off = (y_off // ALIGN) * ALIGN
         stride_bs = (stride_bs // ALIGN) * ALIGN
-    offs_r = tl.arange(0, BLOCK_R)
     offs_n = local_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    r_mask = offs_r < R
     n_mask = offs_n < n_width
-    b_ptrs = (
-        b_ptr
-        + slot.to(tl.int64) * stride_bs
-        + offs_n[:, None] * stride_bn
-        + offs_r[None, :] * stride_br
+    delta = _expand_delta(
+        b_ptr, xa, slot, offs_n, n_mask, stride_bs, R, stride_bn, stride_br,
+        BLOCK_R, PRECISION, DOT_FP32,
     )
-    b = tl.load(b_ptrs, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-    # Round the fp32 shrink once to the weight dtype for the tensor-core product.
-    xa = xa.to(b.dtype)
-    if DOT_FP32:
-        xa = xa.to(tl.float32)
-        b = b.to(tl.float32)
-    delta = tl.dot(xa, tl.trans(b), input_precision=PRECISION)
     y_ptrs = y_ptr + tok[:, None] * stride_ym + (y_off + offs_n)[None, :] * stride_yn
     y_mask = row_mask[:, None] & n_mask[None, :]
     y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
@@ -280,7 +311,7 @@ def _lora_shrink_kernel(
     slice_id = pid0 % NUM_SLICES
     split = pid0 // NUM_SLICES
     slot, pos0, rows_left = _slot_tile(
-        pid_m, slot_start_ptr, slot_count_ptr, num_slots, BLOCK_M, BLOCK_S
+        pid_m, slot_start_ptr, slot_count_ptr, num_slots, num_tokens, BLOCK_M, BLOCK_S, False
     )
     if slot >= num_slots:
         return
@@ -386,7 +417,7 @@ def _lora_expand_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     slot, pos0, rows_left = _slot_tile(
-        pid_m, slot_start_ptr, slot_count_ptr, num_slots, BLOCK_M, BLOCK_S
+        pid_m, slot_start_ptr, slot_count_ptr, num_slots, num_tokens, BLOCK_M, BLOCK_S, False
     )
     if slot >= num_slots:
         return
@@ -429,6 +460,13 @@ def _lora_expand_kernel(
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def max_token_tiles(num_tokens: int, block_m: int, num_groups: int) -> int:
+    """Upper bound on the token tiles of a batch whose tokens fall in num_groups
+    groups: each group adds at most one partial tile, and a tile holds at least
+    one token. Programs past the real count exit at once."""
+    return min(_cdiv(num_tokens, block_m) + num_groups, num_tokens)
 
 
 def _check(
@@ -492,9 +530,7 @@ def launch_shrink(
     k_per_split = _cdiv(_cdiv(k, split_k), block_k) * block_k
     if ws is None:
         ws = meta.ensure_workspace(_ws_blocks(split_k) * ns * num_tokens * rank)
-    # Upper bound on tiles: each slot adds at most one partial tile; a tile
-    # holds at least one token. Programs past the real count exit at once.
-    m_tiles = min(_cdiv(num_tokens, cfg["BLOCK_M"]) + num_slots, num_tokens)
+    m_tiles = max_token_tiles(num_tokens, cfg["BLOCK_M"], num_slots)
     dot_fp32, precision = _dot_mode(x.dtype)
     a_ptrs = list(lora_a) + [lora_a[0]] * (3 - ns)
     _lora_shrink_kernel[(ns * split_k, m_tiles)](
@@ -545,7 +581,7 @@ def launch_expand(
     widths = [b.shape[1] for b in lora_b]
     block_n = cfg["BLOCK_N"]
     nblocks = [_cdiv(w, block_n) for w in widths]
-    m_tiles = min(_cdiv(num_tokens, cfg["BLOCK_M"]) + num_slots, num_tokens)
+    m_tiles = max_token_tiles(num_tokens, cfg["BLOCK_M"], num_slots)
     dot_fp32, precision = _dot_mode(y.dtype)
     pad = 3 - ns
     n_iters = cfg.get("N_ITERS", 1)
@@ -611,7 +647,44 @@ def launch_configs(num_tokens: int, k: int, widths: Sequence[int], rank: int) ->
         tuple(sorted(shrink_config(num_tokens, k, rank, len(widths[g : g + step])).items()))
         for g in range(0, len(widths), step)
     )
-    return shrink, tuple(sorted(expand_config(num_tokens, sum(widths), rank).items()))
+    expand = tuple(sorted(expand_config(num_tokens, sum(widths), rank).items()))
+    if len(widths) == 2 and widths[0] == widths[1]:
+        # A gate/up pair: the model may run it through silu_and_mul_lora instead.
+        silu = tuple(sorted(silu_config(num_tokens, widths[0], rank).items()))
+        return shrink, expand, silu
+    return shrink, expand
+
+
+def lora_shrink(
+    x: torch.Tensor, lora_a: Sequence[torch.Tensor], meta: LoRAMetadata
+) -> torch.Tensor:
+    """The first half of ``add_lora_linear`` for up to 3 slices: x @ A.T of every
+    token's slot, in fp32, into ``meta``'s workspace (returned, for ``lora_expand``).
+    It reads only x, so it may run beside the base projection (another stream)."""
+    if len(lora_a) > MAX_SLICES_PER_LAUNCH:
+        raise ValueError(f"lora_shrink takes up to {MAX_SLICES_PER_LAUNCH} slices")
+    num_tokens, k = x.shape
+    _check_meta(meta, num_tokens, lora_a[0].shape[0])
+    cfg = shrink_config(num_tokens, k, lora_a[0].shape[1], len(lora_a))
+    return launch_shrink(x, lora_a, meta, cfg)
+
+
+def lora_expand(
+    y: torch.Tensor, lora_b: Sequence[torch.Tensor], meta: LoRAMetadata, ws: torch.Tensor
+) -> None:
+    """The second half: y[t, slice i] += shrink @ B_i[slot].T, from ``lora_shrink``'s ws."""
+    widths = [b.shape[1] for b in lora_b]
+    offsets = [sum(widths[:i]) for i in range(len(widths))]
+    cfg = expand_config(y.shape[0], sum(widths), lora_b[0].shape[2])
+    launch_expand(y, lora_b, offsets, meta, ws, cfg)
+
+
+def _check_meta(meta: LoRAMetadata, num_tokens: int, num_slots: int) -> None:
+    if meta.num_tokens != num_tokens or meta.num_slots != num_slots:
+        raise ValueError(
+            f"metadata built for T={meta.num_tokens}, S={meta.num_slots}; "
+            f"call has T={num_tokens}, S={num_slots}"
+        )
 
 
 def add_lora_linear(
@@ -629,24 +702,17 @@ def add_lora_linear(
     ``token_slots`` itself is not read again.
     """
     _check(y, x, lora_a, lora_b)
-    num_tokens, k = x.shape
+    num_tokens = x.shape[0]
     if num_tokens == 0:
         return
     num_slots, rank, _ = lora_a[0].shape
     if meta is None:
         meta = build_lora_metadata(token_slots, num_slots)
-    elif meta.num_tokens != num_tokens or meta.num_slots != num_slots:
-        raise ValueError(
-            f"metadata built for T={meta.num_tokens}, S={meta.num_slots}; "
-            f"call has T={num_tokens}, S={num_slots}"
-        )
     widths = [b.shape[1] for b in lora_b]
     offsets = [sum(widths[:i]) for i in range(len(widths))]
+    # One expand config over all slices (as launch_configs names it).
     ecfg = expand_config(num_tokens, sum(widths), rank)
     step = MAX_SLICES_PER_LAUNCH
     for g in range(0, len(lora_a), step):
-        a_grp = lora_a[g : g + step]
-        scfg = shrink_config(num_tokens, k, rank, len(a_grp))
-        ws = launch_shrink(x, a_grp, meta, scfg)
-        b_grp, o_grp = lora_b[g : g + step], offsets[g : g + step]
-        launch_expand(y, b_grp, o_grp, meta, ws, ecfg)
+        ws = lora_shrink(x, lora_a[g : g + step], meta)
+        launch_expand(y, lora_b[g : g + step], offsets[g : g + step], meta, ws, ecfg)

@@ -14,14 +14,17 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from loraserve.kernels import lora_ops  # noqa: E402
+from loraserve.kernels import activation, lora_activation, lora_ops  # noqa: E402
 from loraserve.kernels.lora_meta import LoRAMetadata, build_lora_metadata  # noqa: E402
 
 if not torch.cuda.is_available() and type(lora_ops._lora_shrink_kernel).__name__ != (
     "InterpretedFunction"
 ):
-    # Imported earlier in this process before the variable was set: decorate again.
+    # Imported earlier in this process before the variable was set: decorate again
+    # (lora_activation after lora_ops, whose kernel helpers it calls).
     lora_ops = importlib.reload(lora_ops)
+    lora_activation = importlib.reload(lora_activation)
+    activation = importlib.reload(activation)
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU interpreter tests; the GPU has test_kernels_gpu.py"
@@ -199,3 +202,61 @@ def test_workspace_numel_matches_call():
 
 def test_one_token():
     check(*make_case(1, 300, 16, 3, [64, 16, 16], torch.float32, seed=60))
+
+
+def silu_and_mul_torch(gate_up):
+    """silu(gate) * up, rounded as kernels/activation.py rounds."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    silu = torch.nn.functional.silu(gate.float()).to(gate.dtype)
+    return (silu.float() * up.float()).to(gate.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,s,frac_none", [(1, 2, 0.0), (21, 3, 0.3), (70, 4, 0.5), (9, 2, 1.0)])
+def test_silu_and_mul_lora_equals_expand_then_activation(monkeypatch, dtype, t, s, frac_none):
+    # 16-wide blocks, 2 to a program, over a width of 40: the last program runs past
+    # the final block; tiles of tokens without an adapter follow the slots' tiles.
+    def cfg(num_tokens, width, rank):
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "N_ITERS": 2, "num_warps": 4, "num_stages": 1}
+
+    monkeypatch.setattr(lora_activation, "silu_config", cfg)
+    y, x, a, b, slots = make_case(t, 67, 8, s, [40, 40], dtype, seed=t + s, frac_none=frac_none)
+    meta = build_lora_metadata(slots, s)
+    gate_up = y.clone()
+    got = lora_activation.silu_and_mul_lora(gate_up, x, a, b, meta)
+    assert torch.equal(gate_up, y)  # the projection output is left as it was
+    with_update = y.clone()
+    lora_ops.add_lora_linear(with_update, x, a, b, slots, meta)
+    want = activation.silu_and_mul(with_update)
+    # The same update, rounded the same way, then the same activation kernel.
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    if dtype == torch.float32:
+        # And against plain torch (reference above). (In bf16 the interpreter rounds
+        # by truncation, which the line above matches and torch does not.)
+        torch.testing.assert_close(got, silu_and_mul_torch(reference(y, x, a, b, slots)))
+    none = slots < 0
+    assert torch.equal(got[none], activation.silu_and_mul(y)[none])
+
+
+def test_silu_and_mul_lora_rejects_other_layers():
+    y, x, a, b, slots = make_case(5, 67, 8, 2, [40, 24], torch.float32, seed=3)
+    with pytest.raises(ValueError, match="two slices"):
+        lora_activation.silu_and_mul_lora(y, x, a, b, build_lora_metadata(slots, 2))
+
+
+@pytest.mark.parametrize("t", [1, 64, 300])
+def test_launch_configs_name_the_fused_activation_configs(monkeypatch, t):
+    launched = []
+    for module, name in ((lora_ops, "launch_shrink"), (lora_activation, "launch_silu_and_mul")):
+        real = getattr(module, name)
+
+        def record(*args, real=real, **kwargs):
+            launched.append(next(a for a in args if isinstance(a, dict)))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, record)
+    y, x, a, b, slots = make_case(t, 67, 8, 2, [24, 24], torch.float32, seed=t)
+    lora_activation.silu_and_mul_lora(y, x, a, b, build_lora_metadata(slots, 2))
+    shrink, _, silu = lora_ops.launch_configs(t, 67, [24, 24], 8)
+    assert [tuple(sorted(launched[0].items()))] == list(shrink)
+    assert tuple(sorted(launched[1].items())) == silu

@@ -9,7 +9,13 @@ pytestmark = [
 ]
 
 if torch.cuda.is_available():
-    from loraserve.kernels import LoRAMetadata, add_lora_linear, workspace_numel
+    from loraserve.kernels import (
+        LoRAMetadata,
+        add_lora_linear,
+        silu_and_mul_lora,
+        workspace_numel,
+    )
+    from loraserve.kernels.activation import silu_and_mul
 
 
 def reference(y, x, lora_a, lora_b, slots):
@@ -196,3 +202,53 @@ def test_split_k_reduction_is_deterministic(t):
         assert torch.equal(again, first)
     assert int(meta.locks.abs().sum()) == 0
     assert_matches(first, reference(y, x, a, b, slots), y, slots, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("t,n_active,frac_none", [(1, 1, 0.0), (256, 32, 0.2), (4096, 8, 0.3)])
+def test_silu_and_mul_lora_equals_expand_then_activation(t, n_active, frac_none):
+    k, widths = SHAPES["gate_up"]
+    y, x, a, b, slots = make(t, k, 16, 32, widths, torch.bfloat16, n_active, frac_none, seed=t)
+    meta = LoRAMetadata(max_tokens=t, num_slots=32, device="cuda")
+    meta.update(slots)
+    gate_up = y.clone()
+    got = silu_and_mul_lora(gate_up, x, a, b, meta)
+    assert torch.equal(gate_up, y)
+    with_update = y.clone()
+    add_lora_linear(with_update, x, a, b, slots, meta)
+    want = silu_and_mul(with_update)
+    # One bf16 rounding step apart at most (the update's dot may tile differently).
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+    none = slots < 0
+    assert torch.equal(got[none], silu_and_mul(y)[none])
+    # The update is there: it moves the result well beyond that tolerance.
+    assert (got.float() - silu_and_mul(y).float())[~none].abs().max() > 0.1
+
+
+@pytest.mark.parametrize("t", [1, 256])
+def test_punica_linear_shrink_beside_in_a_cuda_graph(t):
+    # The wrapper runs the shrink on a side stream beside the base GEMM; inside a
+    # captured graph that is a branch that must join before the expand.
+    from loraserve.lora.punica import PunicaWrapper
+
+    k, widths = QKV
+    y0, x, a, b, slots = make(t, k, 16, 8, widths, torch.bfloat16, n_active=8, seed=t)
+    w = (torch.randn(sum(widths), k, device="cuda") / k**0.5).to(torch.bfloat16)
+    punica = PunicaWrapper(t, 8, torch.device("cuda"))
+    punica.update_mapping(slots.tolist())
+    meta_ref = LoRAMetadata(max_tokens=t, num_slots=8, device="cuda")
+    meta_ref.update(slots)
+
+    def base(inp):
+        return inp @ w.t()
+
+    want = base(x)
+    add_lora_linear(want, x, a, b, slots, meta_ref)
+    assert torch.equal(punica.linear(base, x, a, b), want)  # eager, warms up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = punica.linear(base, x, a, b)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    want = base(x)
+    add_lora_linear(want, x, a, b, slots, meta_ref)
+    assert torch.equal(out, want)

@@ -1,13 +1,16 @@
 """The punica wrapper: per-step token -> slot mapping, and the fused LoRA op.
 
-Every LoRA layer calls `add_lora_linear`. On CUDA it runs the Triton kernels of
-`loraserve.kernels`, which read a per-step grouping of tokens by slot built once
-here; elsewhere plain torch ops, one matmul pair per active slot.
+Every LoRA layer runs its base projection through `linear` (or, for the merged
+gate/up projection, `linear_silu_and_mul`). On CUDA the update runs the Triton
+kernels of `loraserve.kernels`, which read a per-step grouping of tokens by slot
+built once here, with the shrink on a side stream beside the base projection;
+elsewhere plain torch ops, one matmul pair per active slot.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
 def _kernels_available(device: torch.device) -> bool:
@@ -32,8 +35,13 @@ class PunicaWrapper:
         self.meta = None
         if _kernels_available(device):
             from loraserve.kernels import LoRAMetadata
+            from loraserve.kernels.lora_ops import MAX_SLICES_PER_LAUNCH
 
             self.meta = LoRAMetadata(max_num_tokens, num_slots, device)
+            # The shrinks run here, beside the base projections (also in CUDA graphs,
+            # as a branch of the captured graph).
+            self.side_stream = torch.cuda.Stream(device)
+            self.max_slices = MAX_SLICES_PER_LAUNCH
 
     def update_mapping(self, token_slots: list[int]) -> None:
         """Set the slot of each token of this step (-1: no adapter)."""
@@ -66,6 +74,59 @@ class PunicaWrapper:
         from loraserve.kernels import launch_configs
 
         return launch_configs(num_tokens, k, widths, rank)
+
+    def linear(
+        self,
+        base: nn.Module,
+        x: torch.Tensor,
+        lora_a: list[torch.Tensor],
+        lora_b: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """base(x) plus the LoRA update of every token's adapter."""
+        ws = self._shrink_beside(x, lora_a)
+        y = base(x)
+        if ws is None:
+            self.add_lora_linear(y, x, lora_a, lora_b)
+            return y
+        from loraserve.kernels import lora_expand
+
+        torch.cuda.current_stream().wait_stream(self.side_stream)
+        lora_expand(y, lora_b, self.meta, ws)
+        return y
+
+    def linear_silu_and_mul(
+        self,
+        base: nn.Module,
+        x: torch.Tensor,
+        lora_a: list[torch.Tensor],
+        lora_b: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """silu(gate) * up of a merged gate/up projection base(x) (CUDA), the LoRA
+        update added first; with the kernels, inside the activation's one pass."""
+        from loraserve.kernels.activation import silu_and_mul
+
+        ws = self._shrink_beside(x, lora_a)
+        gate_up = base(x)
+        if ws is None:
+            self.add_lora_linear(gate_up, x, lora_a, lora_b)
+            return silu_and_mul(gate_up)
+        from loraserve.kernels import silu_and_mul_lora
+
+        torch.cuda.current_stream().wait_stream(self.side_stream)
+        return silu_and_mul_lora(gate_up, x, lora_a, lora_b, self.meta, ws=ws)
+
+    def _shrink_beside(self, x: torch.Tensor, lora_a: list[torch.Tensor]) -> torch.Tensor | None:
+        """Start the LoRA shrink on the side stream, where it runs beside the base
+        projection (both only read x); None where the kernels do not run."""
+        if not self.any_lora or self.meta is None or len(lora_a) > self.max_slices:
+            return None
+        from loraserve.kernels import lora_shrink
+
+        # Also orders this shrink after the previous layer's expand, which read
+        # the same workspace.
+        self.side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side_stream):
+            return lora_shrink(x, lora_a, self.meta)
 
     def add_lora_linear(
         self,

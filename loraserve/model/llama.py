@@ -107,11 +107,14 @@ class MLP(nn.Module):
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda:
+        if x.is_cuda:
             from loraserve.kernels.activation import silu_and_mul
 
-            return self.down_proj(silu_and_mul(gate_up))
+            # A LoRA layer (loraserve.lora.layers) fuses its update into the activation.
+            fused = getattr(self.gate_up_proj, "silu_and_mul", None)
+            act = fused(x) if fused is not None else silu_and_mul(self.gate_up_proj(x))
+            return self.down_proj(act)
+        gate_up = self.gate_up_proj(x)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
