@@ -10,6 +10,7 @@
 #   profile   where a batch-32 decode step's time goes (profile_decode.py)
 #   decode32  base decode at batch 32 (offline.py), and the same through PEFT
 #   offline   LoRA vs base offline throughput, 32 rank-16 adapters, 256 requests
+#             (OFFLINE_REPEATS alternating base/LoRA runs in one process, default 3)
 #   startup   graph capture time and memory, LoRA vs base (startup.py; PROFILE_STARTUP=1
 #             adds a cProfile of each start, which slows the host side)
 #   serve     a LoRA server; ITL at batch 1 and 64 with and without LoRA, and the
@@ -98,6 +99,7 @@ if has offline; then
     timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/offline.py \
         --model $MODEL --load-format dummy --adapters $ADAPTERS \
         --num-adapters 32 --num-requests 256 --input-len 512 --output-len 128 \
+        --repeats "${OFFLINE_REPEATS:-3}" \
         --json "$OUT/offline$suffix.json" > "$OUT/offline$suffix.log" 2>&1
     echo "offline rc=$?" >> "$OUT/offline$suffix.log"
   done
