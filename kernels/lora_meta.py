@@ -26,6 +26,8 @@ class LoRAMetadata:
       slot_start  int32 [num_slots]: first position of each slot in sorted_ids.
       slot_count  int32 [num_slots]: number of tokens of each slot.
       locks       int32 [3 * max_tokens]: split-K arrival counters (always 0 between calls).
+      tile_flags  int32 [2 * max_tokens]: per token tile, slices whose shrink is done,
+                  then expand programs past the wait (one launch; 0 between calls).
       workspace   fp32 flat buffer for the shrink result (split-K partials).
     """
 
@@ -51,6 +53,7 @@ class LoRAMetadata:
         # Split-K arrival counters, one per (token tile, slice); the kernel resets
         # each to 0 after use, so they are zero at every call.
         self.locks = torch.zeros(3 * self.max_tokens, **i32)
+        self.tile_flags = torch.zeros(2 * self.max_tokens, **i32)
         self.workspace = torch.empty(int(workspace_numel), dtype=torch.float32, device=self.device)
         self._retired: list[torch.Tensor] = []
 

@@ -71,6 +71,8 @@ from .lora_meta import LoRAMetadata, build_lora_metadata
 
 # Slices handled by one launch pair; more slices use more launch pairs.
 MAX_SLICES_PER_LAUNCH = 3
+# Token counts at which a call's shrink and expand share one launch (one_launch).
+ONE_LAUNCH_TOKENS = (64, 256)
 
 _PER_SLICE_INTS = [
     "n0", "n1", "n2", "yo0", "yo1", "yo2", "sbs0", "sbs1", "sbs2", "nb0", "nb1", "nb_total",
@@ -273,11 +275,14 @@ def _expand_tile(
     tl.store(y_ptrs, (y_old.to(tl.float32) + delta).to(y_old.dtype), mask=y_mask)
 
 
-@triton.jit(do_not_specialize=_BATCH_INTS + ["k_per_split"])
-def _lora_shrink_kernel(
+@triton.jit
+def _shrink_program(
+    pid0,
+    pid_m,
     x_ptr,
     ws_ptr,
     lock_ptr,
+    flag_ptr,
     sorted_ids_ptr,
     slot_start_ptr,
     slot_count_ptr,
@@ -303,80 +308,70 @@ def _lora_shrink_kernel(
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SIGNAL: tl.constexpr,
 ):
-    # Slice index varies fastest so the programs sharing one x tile run together
-    # and the 2nd/3rd slice read it from L2.
-    pid0 = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    """One (K split, slice) of token tile pid_m. With SIGNAL, the program that
+    writes a slice's final result adds 1 to the tile's flag (one launch)."""
     slice_id = pid0 % NUM_SLICES
     split = pid0 // NUM_SLICES
     slot, pos0, rows_left = _slot_tile(
         pid_m, slot_start_ptr, slot_count_ptr, num_slots, num_tokens, BLOCK_M, BLOCK_S, False
     )
-    if slot >= num_slots:
-        return
-    a_ptr = _pick(slice_id, a0_ptr, a1_ptr, a2_ptr)
-    offs_m = tl.arange(0, BLOCK_M)
-    row_mask = offs_m < rows_left
-    tok = tl.load(sorted_ids_ptr + pos0 + offs_m, mask=row_mask, other=0).to(tl.int64)
-    acc = _shrink_tile(
-        x_ptr,
-        a_ptr,
-        tok,
-        row_mask,
-        slot,
-        split * k_per_split,
-        k_per_split,
-        K,
-        R,
-        stride_xm,
-        stride_xk,
-        stride_as,
-        stride_ar,
-        stride_ak,
-        BLOCK_M,
-        BLOCK_K,
-        BLOCK_R,
-        EVEN_K,
-        PRECISION,
-        DOT_FP32,
-    )
-    # Workspace layout: [1 + SPLIT_K, NUM_SLICES, num_tokens (sorted order), R]; block 0
-    # holds the final fp32 shrink, blocks 1.. the split-K partials.
-    offs_r = tl.arange(0, BLOCK_R)
-    ws_mask = row_mask[:, None] & (offs_r < R)[None, :]
-    rows = slice_id * num_tokens + pos0 + offs_m
-    if SPLIT_K == 1:
-        tl.store(ws_ptr + rows[:, None] * R + offs_r[None, :], acc, mask=ws_mask)
-    else:
-        part = rows + (1 + split) * NUM_SLICES * num_tokens
-        tl.store(ws_ptr + part[:, None] * R + offs_r[None, :], acc, mask=ws_mask)
-        # The last split of this (tile, slice) to arrive sums the partials, so
-        # the expand reads one fp32 block instead of SPLIT_K of them per N block.
-        # The barrier puts every thread's stores before the release of the
-        # counter; the counter goes back to 0 for the next call (or replay).
-        tl.debug_barrier()
-        lock = lock_ptr + pid_m * NUM_SLICES + slice_id
-        arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for sp in tl.static_range(SPLIT_K):
-                part = rows + (1 + sp) * NUM_SLICES * num_tokens
-                # .cg: read L2, never a stale L1 line.
-                total += tl.load(
-                    ws_ptr + part[:, None] * R + offs_r[None, :],
-                    mask=ws_mask,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-            tl.store(ws_ptr + rows[:, None] * R + offs_r[None, :], total, mask=ws_mask)
-            tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+    if slot < num_slots:
+        a_ptr = _pick(slice_id, a0_ptr, a1_ptr, a2_ptr)
+        offs_m = tl.arange(0, BLOCK_M)
+        row_mask = offs_m < rows_left
+        tok = tl.load(sorted_ids_ptr + pos0 + offs_m, mask=row_mask, other=0).to(tl.int64)
+        acc = _shrink_tile(
+            x_ptr, a_ptr, tok, row_mask, slot, split * k_per_split, k_per_split, K, R,
+            stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
+            BLOCK_M, BLOCK_K, BLOCK_R, EVEN_K, PRECISION, DOT_FP32,
+        )
+        # Workspace layout: [1 + SPLIT_K, NUM_SLICES, num_tokens (sorted order), R]; block
+        # 0 holds the final fp32 shrink, blocks 1.. the split-K partials.
+        offs_r = tl.arange(0, BLOCK_R)
+        ws_mask = row_mask[:, None] & (offs_r < R)[None, :]
+        rows = slice_id * num_tokens + pos0 + offs_m
+        if SPLIT_K == 1:
+            tl.store(ws_ptr + rows[:, None] * R + offs_r[None, :], acc, mask=ws_mask)
+            if SIGNAL:
+                tl.debug_barrier()
+                tl.atomic_add(flag_ptr + pid_m, 1, sem="release", scope="gpu")
+        else:
+            part = rows + (1 + split) * NUM_SLICES * num_tokens
+            tl.store(ws_ptr + part[:, None] * R + offs_r[None, :], acc, mask=ws_mask)
+            # The last split of this (tile, slice) to arrive sums the partials, so
+            # the expand reads one fp32 block instead of SPLIT_K of them per N block.
+            # The barrier puts every thread's stores before the release of the
+            # counter; the counter goes back to 0 for the next call (or replay).
+            tl.debug_barrier()
+            lock = lock_ptr + pid_m * NUM_SLICES + slice_id
+            arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                for sp in tl.static_range(SPLIT_K):
+                    part = rows + (1 + sp) * NUM_SLICES * num_tokens
+                    # .cg: read L2, never a stale L1 line.
+                    total += tl.load(
+                        ws_ptr + part[:, None] * R + offs_r[None, :],
+                        mask=ws_mask,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                tl.store(ws_ptr + rows[:, None] * R + offs_r[None, :], total, mask=ws_mask)
+                tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+                if SIGNAL:
+                    tl.debug_barrier()
+                    tl.atomic_add(flag_ptr + pid_m, 1, sem="release", scope="gpu")
 
 
-@triton.jit(do_not_specialize=_PER_SLICE_INTS + _BATCH_INTS)
-def _lora_expand_kernel(
+@triton.jit
+def _expand_program(
+    pid_n,
+    pid_m,
     y_ptr,
     ws_ptr,
+    flag_ptr,
     sorted_ids_ptr,
     slot_start_ptr,
     slot_count_ptr,
@@ -402,6 +397,8 @@ def _lora_expand_kernel(
     stride_br,
     stride_ym,
     stride_yn,
+    n_programs,
+    flag_stride,
     NUM_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -411,51 +408,148 @@ def _lora_expand_kernel(
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     N_ITERS: tl.constexpr,
+    WAIT: tl.constexpr,
 ):
-    # A program covers N_ITERS consecutive N blocks of one token tile: the tile's
-    # slot lookup is paid once, and the unrolled blocks' loads overlap.
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    """N_ITERS consecutive N blocks of token tile pid_m: the tile's slot lookup is
+    paid once, and the unrolled blocks' loads overlap. With WAIT (one launch),
+    first wait until the tile's flag says every slice's shrink is written; the
+    last of the tile's n_programs to pass puts the flags back to 0."""
     slot, pos0, rows_left = _slot_tile(
         pid_m, slot_start_ptr, slot_count_ptr, num_slots, num_tokens, BLOCK_M, BLOCK_S, False
     )
-    if slot >= num_slots:
-        return
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_r = tl.arange(0, BLOCK_R)
-    row_mask = offs_m < rows_left
-    tok = tl.load(sorted_ids_ptr + pos0 + offs_m, mask=row_mask, other=0).to(tl.int64)
-    ws_mask = row_mask[:, None] & (offs_r < R)[None, :]
-    for i in tl.static_range(N_ITERS):
-        n_block = pid_n * N_ITERS + i
-        if n_block < nb_total:
-            slice_id, local_n = _slice_of_nblock(n_block, nb0, nb1, NUM_SLICES)
-            # The shrink result, already summed over K splits (fp32).
-            ws_rows = slice_id * num_tokens + pos0 + offs_m
-            xa = tl.load(ws_ptr + ws_rows[:, None] * R + offs_r[None, :], mask=ws_mask,
-                         other=0.0)
-            _expand_tile(
-                y_ptr,
-                _pick(slice_id, b0_ptr, b1_ptr, b2_ptr),
-                xa,
-                tok,
-                row_mask,
-                slot,
-                local_n,
-                _pick(slice_id, n0, n1, n2),
-                _pick(slice_id, yo0, yo1, yo2),
-                _pick(slice_id, sbs0, sbs1, sbs2),
-                R,
-                stride_bn,
-                stride_br,
-                stride_ym,
-                stride_yn,
-                BLOCK_N,
-                BLOCK_R,
-                ALIGN,
-                PRECISION,
-                DOT_FP32,
-            )
+    if slot < num_slots:
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_r = tl.arange(0, BLOCK_R)
+        row_mask = offs_m < rows_left
+        tok = tl.load(sorted_ids_ptr + pos0 + offs_m, mask=row_mask, other=0).to(tl.int64)
+        ws_mask = row_mask[:, None] & (offs_r < R)[None, :]
+        if WAIT:
+            ready = tl.atomic_add(flag_ptr + pid_m, 0, sem="acquire", scope="gpu")
+            while ready < NUM_SLICES:
+                ready = tl.atomic_add(flag_ptr + pid_m, 0, sem="acquire", scope="gpu")
+            tl.debug_barrier()
+        for i in tl.static_range(N_ITERS):
+            n_block = pid_n * N_ITERS + i
+            if n_block < nb_total:
+                slice_id, local_n = _slice_of_nblock(n_block, nb0, nb1, NUM_SLICES)
+                # The shrink result, already summed over K splits (fp32).
+                ws_rows = slice_id * num_tokens + pos0 + offs_m
+                ws_ptrs = ws_ptr + ws_rows[:, None] * R + offs_r[None, :]
+                if WAIT:
+                    # .cg: from L2, as another program of this launch just wrote it.
+                    xa = tl.load(ws_ptrs, mask=ws_mask, other=0.0, cache_modifier=".cg")
+                else:
+                    xa = tl.load(ws_ptrs, mask=ws_mask, other=0.0)
+                _expand_tile(
+                    y_ptr,
+                    _pick(slice_id, b0_ptr, b1_ptr, b2_ptr),
+                    xa,
+                    tok,
+                    row_mask,
+                    slot,
+                    local_n,
+                    _pick(slice_id, n0, n1, n2),
+                    _pick(slice_id, yo0, yo1, yo2),
+                    _pick(slice_id, sbs0, sbs1, sbs2),
+                    R,
+                    stride_bn,
+                    stride_br,
+                    stride_ym,
+                    stride_yn,
+                    BLOCK_N,
+                    BLOCK_R,
+                    ALIGN,
+                    PRECISION,
+                    DOT_FP32,
+                )
+        if WAIT:
+            passed = tl.atomic_add(flag_ptr + flag_stride + pid_m, 1, sem="relaxed", scope="gpu")
+            if passed == n_programs - 1:
+                tl.atomic_xchg(flag_ptr + pid_m, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(flag_ptr + flag_stride + pid_m, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit(do_not_specialize=_BATCH_INTS + ["k_per_split"])
+def _lora_shrink_kernel(
+    x_ptr, ws_ptr, lock_ptr, sorted_ids_ptr, slot_start_ptr, slot_count_ptr,
+    a0_ptr, a1_ptr, a2_ptr, num_tokens, num_slots, K, R, k_per_split,
+    stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
+    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    # Slice index varies fastest so the programs sharing one x tile run together
+    # and the 2nd/3rd slice read it from L2.
+    _shrink_program(
+        tl.program_id(0), tl.program_id(1), x_ptr, ws_ptr, lock_ptr, lock_ptr,
+        sorted_ids_ptr, slot_start_ptr, slot_count_ptr, a0_ptr, a1_ptr, a2_ptr,
+        num_tokens, num_slots, K, R, k_per_split,
+        stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
+        NUM_SLICES, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_S, EVEN_K, PRECISION, DOT_FP32,
+        False,
+    )
+
+
+@triton.jit(do_not_specialize=_PER_SLICE_INTS + _BATCH_INTS)
+def _lora_expand_kernel(
+    y_ptr, ws_ptr, sorted_ids_ptr, slot_start_ptr, slot_count_ptr,
+    b0_ptr, b1_ptr, b2_ptr, n0, n1, n2, yo0, yo1, yo2, sbs0, sbs1, sbs2,
+    nb0, nb1, nb_total, num_tokens, num_slots, R,
+    stride_bn, stride_br, stride_ym, stride_yn,
+    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ALIGN: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, N_ITERS: tl.constexpr,
+):
+    _expand_program(
+        tl.program_id(0), tl.program_id(1), y_ptr, ws_ptr, ws_ptr,
+        sorted_ids_ptr, slot_start_ptr, slot_count_ptr, b0_ptr, b1_ptr, b2_ptr,
+        n0, n1, n2, yo0, yo1, yo2, sbs0, sbs1, sbs2, nb0, nb1, nb_total,
+        num_tokens, num_slots, R, stride_bn, stride_br, stride_ym, stride_yn, 0, 0,
+        NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_S, ALIGN, PRECISION, DOT_FP32, N_ITERS,
+        False,
+    )
+
+
+@triton.jit(do_not_specialize=_PER_SLICE_INTS + _BATCH_INTS + ["k_per_split", "m_tiles"])
+def _lora_one_launch_kernel(
+    y_ptr, x_ptr, ws_ptr, lock_ptr, flag_ptr, sorted_ids_ptr, slot_start_ptr, slot_count_ptr,
+    a0_ptr, a1_ptr, a2_ptr, b0_ptr, b1_ptr, b2_ptr,
+    n0, n1, n2, yo0, yo1, yo2, sbs0, sbs1, sbs2, nb0, nb1, nb_total,
+    num_tokens, num_slots, K, R, k_per_split, m_tiles, flag_stride,
+    stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
+    stride_bn, stride_br, stride_ym, stride_yn,
+    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr, EVEN_K: tl.constexpr, ALIGN: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, N_ITERS: tl.constexpr,
+):
+    # Shrink and expand in one grid: every shrink program has a lower index than
+    # every expand program, and blocks start in index order, so an expand program
+    # waiting on its tile's flag only waits for programs already running.
+    pid = tl.program_id(0)
+    per_tile = NUM_SLICES * SPLIT_K
+    n_shrink = per_tile * m_tiles
+    n_expand = (nb_total + N_ITERS - 1) // N_ITERS
+    if pid < n_shrink:
+        _shrink_program(
+            pid % per_tile, pid // per_tile, x_ptr, ws_ptr, lock_ptr, flag_ptr,
+            sorted_ids_ptr, slot_start_ptr, slot_count_ptr, a0_ptr, a1_ptr, a2_ptr,
+            num_tokens, num_slots, K, R, k_per_split,
+            stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
+            NUM_SLICES, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_S, EVEN_K, PRECISION,
+            DOT_FP32, True,
+        )
+    else:
+        e = pid - n_shrink
+        _expand_program(
+            e % n_expand, e // n_expand, y_ptr, ws_ptr, flag_ptr,
+            sorted_ids_ptr, slot_start_ptr, slot_count_ptr, b0_ptr, b1_ptr, b2_ptr,
+            n0, n1, n2, yo0, yo1, yo2, sbs0, sbs1, sbs2, nb0, nb1, nb_total,
+            num_tokens, num_slots, R, stride_bn, stride_br, stride_ym, stride_yn,
+            n_expand, flag_stride,
+            NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_S, ALIGN, PRECISION, DOT_FP32, N_ITERS,
+            True,
+        )
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -514,6 +608,63 @@ def _ws_blocks(split_k: int) -> int:
     return 1 if split_k == 1 else 1 + split_k
 
 
+def _shrink_args(
+    x: torch.Tensor, lora_a: Sequence[torch.Tensor], meta: LoRAMetadata, cfg: dict[str, int],
+    ws: torch.Tensor | None,
+) -> dict:
+    """The shrink kernel's arguments, by name (the one-launch kernel shares them)."""
+    num_tokens, k = x.shape
+    num_slots, rank, _ = lora_a[0].shape
+    ns = len(lora_a)
+    split_k, block_k = cfg["SPLIT_K"], cfg["BLOCK_K"]
+    if ws is None:
+        ws = meta.ensure_workspace(_ws_blocks(split_k) * ns * num_tokens * rank)
+    dot_fp32, precision = _dot_mode(x.dtype)
+    a_ptrs = list(lora_a) + [lora_a[0]] * (3 - ns)
+    return dict(
+        x_ptr=x, ws_ptr=ws, lock_ptr=meta.locks, sorted_ids_ptr=meta.sorted_ids,
+        slot_start_ptr=meta.slot_start, slot_count_ptr=meta.slot_count,
+        a0_ptr=a_ptrs[0], a1_ptr=a_ptrs[1], a2_ptr=a_ptrs[2],
+        num_tokens=num_tokens, num_slots=num_slots, K=k, R=rank,
+        # Round each split to whole K blocks so only the last one needs masking.
+        k_per_split=_cdiv(_cdiv(k, split_k), block_k) * block_k,
+        stride_xm=x.stride(0), stride_xk=x.stride(1), stride_as=lora_a[0].stride(0),
+        stride_ar=lora_a[0].stride(1), stride_ak=lora_a[0].stride(2),
+        NUM_SLICES=ns, SPLIT_K=split_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=block_k,
+        BLOCK_R=rank_block(rank), BLOCK_S=_block_s(num_slots),
+        EVEN_K=(k % (split_k * block_k) == 0), PRECISION=precision, DOT_FP32=dot_fp32,
+    )
+
+
+def _expand_args(
+    y: torch.Tensor, lora_b: Sequence[torch.Tensor], y_offsets: Sequence[int],
+    meta: LoRAMetadata, ws: torch.Tensor, cfg: dict[str, int],
+) -> dict:
+    """The expand kernel's arguments, by name."""
+    num_slots, _, rank = lora_b[0].shape
+    ns = len(lora_b)
+    pad = 3 - ns
+    widths = [b.shape[1] for b in lora_b] + [0] * pad
+    offsets = list(y_offsets) + [0] * pad
+    b_ptrs = list(lora_b) + [lora_b[0]] * pad
+    b_strides = [b.stride(0) for b in lora_b] + [0] * pad
+    nblocks = [_cdiv(w, cfg["BLOCK_N"]) for w in widths]
+    dot_fp32, precision = _dot_mode(y.dtype)
+    return dict(
+        y_ptr=y, ws_ptr=ws, sorted_ids_ptr=meta.sorted_ids, slot_start_ptr=meta.slot_start,
+        slot_count_ptr=meta.slot_count, b0_ptr=b_ptrs[0], b1_ptr=b_ptrs[1], b2_ptr=b_ptrs[2],
+        n0=widths[0], n1=widths[1], n2=widths[2], yo0=offsets[0], yo1=offsets[1],
+        yo2=offsets[2], sbs0=b_strides[0], sbs1=b_strides[1], sbs2=b_strides[2],
+        nb0=nblocks[0], nb1=nblocks[1], nb_total=sum(nblocks),
+        num_tokens=y.shape[0], num_slots=num_slots, R=rank,
+        stride_bn=lora_b[0].stride(1), stride_br=lora_b[0].stride(2),
+        stride_ym=y.stride(0), stride_yn=y.stride(1),
+        NUM_SLICES=ns, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_R=rank_block(rank),
+        BLOCK_S=_block_s(num_slots), ALIGN=_align(y, lora_b, y_offsets), PRECISION=precision,
+        DOT_FP32=dot_fp32, N_ITERS=cfg.get("N_ITERS", 1),
+    )
+
+
 def launch_shrink(
     x: torch.Tensor,
     lora_a: Sequence[torch.Tensor],
@@ -522,48 +673,12 @@ def launch_shrink(
     ws: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Shrink for up to 3 slices: fp32 split-K partials into the workspace (returned)."""
-    num_tokens, k = x.shape
-    num_slots, rank, _ = lora_a[0].shape
-    ns = len(lora_a)
-    split_k, block_k = cfg["SPLIT_K"], cfg["BLOCK_K"]
-    # Round each split to whole K blocks so only the last one needs masking.
-    k_per_split = _cdiv(_cdiv(k, split_k), block_k) * block_k
-    if ws is None:
-        ws = meta.ensure_workspace(_ws_blocks(split_k) * ns * num_tokens * rank)
-    m_tiles = max_token_tiles(num_tokens, cfg["BLOCK_M"], num_slots)
-    dot_fp32, precision = _dot_mode(x.dtype)
-    a_ptrs = list(lora_a) + [lora_a[0]] * (3 - ns)
-    _lora_shrink_kernel[(ns * split_k, m_tiles)](
-        x,
-        ws,
-        meta.locks,
-        meta.sorted_ids,
-        meta.slot_start,
-        meta.slot_count,
-        *a_ptrs,
-        num_tokens,
-        num_slots,
-        k,
-        rank,
-        k_per_split,
-        x.stride(0),
-        x.stride(1),
-        lora_a[0].stride(0),
-        lora_a[0].stride(1),
-        lora_a[0].stride(2),
-        NUM_SLICES=ns,
-        SPLIT_K=split_k,
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_K=block_k,
-        BLOCK_R=rank_block(rank),
-        BLOCK_S=_block_s(num_slots),
-        EVEN_K=(k % (split_k * block_k) == 0),
-        PRECISION=precision,
-        DOT_FP32=dot_fp32,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+    args = _shrink_args(x, lora_a, meta, cfg, ws)
+    m_tiles = max_token_tiles(x.shape[0], cfg["BLOCK_M"], args["num_slots"])
+    _lora_shrink_kernel[(args["NUM_SLICES"] * cfg["SPLIT_K"], m_tiles)](
+        **args, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]
     )
-    return ws
+    return args["ws_ptr"]
 
 
 def launch_expand(
@@ -575,47 +690,46 @@ def launch_expand(
     cfg: dict[str, int],
 ) -> None:
     """Expand for up to 3 slices: y[:, off_i:off_i+N_i] += partial-sum @ B_i[slot].T."""
-    num_tokens = y.shape[0]
-    num_slots, _, rank = lora_b[0].shape
-    ns = len(lora_b)
-    widths = [b.shape[1] for b in lora_b]
-    block_n = cfg["BLOCK_N"]
-    nblocks = [_cdiv(w, block_n) for w in widths]
-    m_tiles = max_token_tiles(num_tokens, cfg["BLOCK_M"], num_slots)
-    dot_fp32, precision = _dot_mode(y.dtype)
-    pad = 3 - ns
-    n_iters = cfg.get("N_ITERS", 1)
-    _lora_expand_kernel[(_cdiv(sum(nblocks), n_iters), m_tiles)](
-        y,
-        ws,
-        meta.sorted_ids,
-        meta.slot_start,
-        meta.slot_count,
-        *(list(lora_b) + [lora_b[0]] * pad),
-        *(widths + [0] * pad),
-        *(list(y_offsets) + [0] * pad),
-        *([b.stride(0) for b in lora_b] + [0] * pad),
-        nblocks[0],
-        nblocks[1] if ns > 1 else 0,
-        sum(nblocks),
-        num_tokens,
-        num_slots,
-        rank,
-        lora_b[0].stride(1),
-        lora_b[0].stride(2),
-        y.stride(0),
-        y.stride(1),
-        NUM_SLICES=ns,
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=block_n,
-        BLOCK_R=rank_block(rank),
-        BLOCK_S=_block_s(num_slots),
-        ALIGN=_align(y, lora_b, y_offsets),
-        PRECISION=precision,
-        DOT_FP32=dot_fp32,
-        N_ITERS=n_iters,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+    args = _expand_args(y, lora_b, y_offsets, meta, ws, cfg)
+    m_tiles = max_token_tiles(y.shape[0], cfg["BLOCK_M"], args["num_slots"])
+    _lora_expand_kernel[(_cdiv(args["nb_total"], args["N_ITERS"]), m_tiles)](
+        **args, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]
+    )
+
+
+def launch_one(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    y_offsets: Sequence[int],
+    meta: LoRAMetadata,
+    scfg: dict[str, int],
+    ecfg: dict[str, int],
+) -> None:
+    """Shrink and expand of up to 3 slices in one launch (configs of one BLOCK_M):
+    the expand programs of a token tile start as soon as its shrink is written,
+    and the launch gap between the two kernels goes away."""
+    sargs = _shrink_args(x, lora_a, meta, scfg, None)
+    eargs = _expand_args(y, lora_b, y_offsets, meta, sargs["ws_ptr"], ecfg)
+    m_tiles = max_token_tiles(x.shape[0], scfg["BLOCK_M"], sargs["num_slots"])
+    n_shrink = sargs["NUM_SLICES"] * scfg["SPLIT_K"] * m_tiles
+    n_expand = _cdiv(eargs["nb_total"], eargs["N_ITERS"]) * m_tiles
+    # The two share their metadata, workspace, sizes and common block sizes.
+    _lora_one_launch_kernel[(n_shrink + n_expand,)](
+        **{**sargs, **eargs}, flag_ptr=meta.tile_flags, m_tiles=m_tiles,
+        flag_stride=meta.max_tokens,
+        # The expand's warps; the shrink's stages (only its K loop is pipelined).
+        num_warps=ecfg["num_warps"], num_stages=scfg["num_stages"],
+    )
+
+
+def one_launch(num_tokens: int, scfg: dict[str, int], ecfg: dict[str, int]) -> bool:
+    """Whether a call runs as one launch: at decode batch sizes, where the gap
+    between two launches is a good part of the op, and when both configs tile
+    tokens alike."""
+    return ONE_LAUNCH_TOKENS[0] <= num_tokens <= ONE_LAUNCH_TOKENS[1] and (
+        scfg["BLOCK_M"] == ecfg["BLOCK_M"]
     )
 
 
@@ -643,16 +757,29 @@ def launch_configs(num_tokens: int, k: int, widths: Sequence[int], rank: int) ->
     (and dtypes and strides) run the same compiled kernels: batch-size ints are not
     specialized."""
     step = MAX_SLICES_PER_LAUNCH
-    shrink = tuple(
-        tuple(sorted(shrink_config(num_tokens, k, rank, len(widths[g : g + step])).items()))
+    ecfg = expand_config(num_tokens, sum(widths), rank)
+    scfgs = [
+        shrink_config(num_tokens, k, rank, len(widths[g : g + step]))
         for g in range(0, len(widths), step)
-    )
-    expand = tuple(sorted(expand_config(num_tokens, sum(widths), rank).items()))
+    ]
+    shrink = tuple(tuple(sorted(c.items())) for c in scfgs)
+    expand = tuple(sorted(ecfg.items()))
+    # Per slice group: one launch, or shrink then expand.
+    one = tuple(one_launch(num_tokens, c, ecfg) for c in scfgs)
     if len(widths) == 2 and widths[0] == widths[1]:
         # A gate/up pair: the model may run it through silu_and_mul_lora instead.
         silu = tuple(sorted(silu_config(num_tokens, widths[0], rank).items()))
-        return shrink, expand, silu
-    return shrink, expand
+        return shrink, expand, one, silu
+    return shrink, expand, one
+
+
+def prefers_one_launch(num_tokens: int, k: int, widths: Sequence[int], rank: int) -> bool:
+    """Whether add_lora_linear runs a call of these shapes as one launch (then its
+    shrink cannot run beside the base projection)."""
+    if len(widths) > MAX_SLICES_PER_LAUNCH:
+        return False
+    scfg = shrink_config(num_tokens, k, rank, len(widths))
+    return one_launch(num_tokens, scfg, expand_config(num_tokens, sum(widths), rank))
 
 
 def lora_shrink(
@@ -714,5 +841,11 @@ def add_lora_linear(
     ecfg = expand_config(num_tokens, sum(widths), rank)
     step = MAX_SLICES_PER_LAUNCH
     for g in range(0, len(lora_a), step):
-        ws = lora_shrink(x, lora_a[g : g + step], meta)
-        launch_expand(y, lora_b[g : g + step], offsets[g : g + step], meta, ws, ecfg)
+        a_grp, b_grp, o_grp = lora_a[g : g + step], lora_b[g : g + step], offsets[g : g + step]
+        scfg = shrink_config(num_tokens, x.shape[1], rank, len(a_grp))
+        if one_launch(num_tokens, scfg, ecfg):
+            _check_meta(meta, num_tokens, num_slots)
+            launch_one(y, x, a_grp, b_grp, o_grp, meta, scfg, ecfg)
+        else:
+            ws = lora_shrink(x, a_grp, meta)
+            launch_expand(y, b_grp, o_grp, meta, ws, ecfg)

@@ -170,25 +170,33 @@ def test_several_n_blocks_per_program_across_slices(monkeypatch):
     check(y, x, a, b, slots)
 
 
+@pytest.mark.parametrize("widths", [[16, 8, 8, 24], [16, 8, 8]])
 @pytest.mark.parametrize("t", [1, 5, 64, 300])
-def test_launch_configs_name_the_configs_a_call_launches(monkeypatch, t):
+def test_launch_configs_name_the_configs_a_call_launches(monkeypatch, t, widths):
     # Graph capture warms the LoRA ops once per launch_configs value: it must change
-    # whenever the configs the call launches change.
+    # whenever the configs the call launches (or how: one launch or two) change.
     launched = []
-    for name in ("launch_shrink", "launch_expand"):
+    for name in ("launch_shrink", "launch_expand", "launch_one"):
         real = getattr(lora_ops, name)
 
-        def record(*args, real=real, **kwargs):
-            launched.append(next(a for a in args if isinstance(a, dict)))
+        def record(*args, real=real, name=name, **kwargs):
+            launched.append((name, [a for a in args if isinstance(a, dict)]))
             return real(*args, **kwargs)
 
         monkeypatch.setattr(lora_ops, name, record)
-    widths = [16, 8, 8, 24]
     y, x, a, b, slots = make_case(t, 67, 8, 2, widths, torch.float32, seed=t)
     lora_ops.add_lora_linear(y, x, a, b, slots)
-    shrink, expand = lora_ops.launch_configs(t, 67, widths, 8)
-    assert [tuple(sorted(c.items())) for c in launched[0::2]] == list(shrink)
-    assert all(tuple(sorted(c.items())) == expand for c in launched[1::2])
+    shrink, expand, one = lora_ops.launch_configs(t, 67, widths, 8)
+    # Per slice group: (shrink config, expand config).
+    groups = []
+    for name, cfgs in launched:
+        if name == "launch_expand":
+            groups[-1].append(cfgs[0])
+        else:
+            groups.append(list(cfgs))
+    assert [tuple(sorted(g[0].items())) for g in groups] == list(shrink)
+    assert all(tuple(sorted(g[1].items())) == expand for g in groups)
+    assert list(one) == [name == "launch_one" for name, _ in launched if name != "launch_expand"]
 
 
 def test_workspace_numel_matches_call():
@@ -257,6 +265,36 @@ def test_launch_configs_name_the_fused_activation_configs(monkeypatch, t):
         monkeypatch.setattr(module, name, record)
     y, x, a, b, slots = make_case(t, 67, 8, 2, [24, 24], torch.float32, seed=t)
     lora_activation.silu_and_mul_lora(y, x, a, b, build_lora_metadata(slots, 2))
-    shrink, _, silu = lora_ops.launch_configs(t, 67, [24, 24], 8)
+    shrink, _, _, silu = lora_ops.launch_configs(t, 67, [24, 24], 8)
     assert [tuple(sorted(launched[0].items()))] == list(shrink)
     assert tuple(sorted(launched[1].items())) == silu
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("t,s,widths", [(1, 2, [40]), (21, 3, [40, 24, 9]), (70, 4, [16, 8, 8])])
+def test_one_launch_equals_two(monkeypatch, split_k, t, s, widths):
+    # Shrink and expand in one grid, expand programs waiting on their tile's flag:
+    # the same result as two launches, and the flags back at 0 for the next call.
+    def scfg(num_tokens, k, rank, num_slices):
+        return {"BLOCK_M": 16, "BLOCK_K": 16, "SPLIT_K": split_k, "num_warps": 4,
+                "num_stages": 1}
+
+    def ecfg(num_tokens, n_total, rank):
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "N_ITERS": 2, "num_warps": 4, "num_stages": 1}
+
+    monkeypatch.setattr(lora_ops, "shrink_config", scfg)
+    monkeypatch.setattr(lora_ops, "expand_config", ecfg)
+    y, x, a, b, slots = make_case(t, 67, 8, s, widths, torch.float32, seed=t + split_k)
+    meta = build_lora_metadata(slots, s)
+    monkeypatch.setattr(lora_ops, "ONE_LAUNCH_TOKENS", (10**6, 10**6))
+    two = y.clone()
+    lora_ops.add_lora_linear(two, x, a, b, slots, meta)
+    monkeypatch.setattr(lora_ops, "ONE_LAUNCH_TOKENS", (1, 10**6))
+    launched = []
+    real = lora_ops.launch_one
+    monkeypatch.setattr(lora_ops, "launch_one", lambda *a, **k: launched.append(1) or real(*a, **k))
+    for _ in range(2):  # twice on one metadata object: the flags must reset
+        one = check(y, x, a, b, slots, meta)
+        assert torch.equal(one, two)
+        assert int(meta.tile_flags.abs().sum()) == 0 and int(meta.locks.abs().sum()) == 0
+    assert launched

@@ -252,3 +252,28 @@ def test_punica_linear_shrink_beside_in_a_cuda_graph(t):
     want = base(x)
     add_lora_linear(want, x, a, b, slots, meta_ref)
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("name", ["qkv", "o", "down"])
+@pytest.mark.parametrize("t", [64, 256])
+def test_one_launch_equals_two_launches(monkeypatch, name, t):
+    # At decode sizes shrink and expand share one launch, the expand programs
+    # spinning on their tile's flag; repeated calls must agree with two launches
+    # bit for bit, and leave the flags at 0.
+    from loraserve.kernels import build_lora_metadata, lora_ops
+
+    k, widths = SHAPES[name]
+    y, x, a, b, slots = make(t, k, 16, 32, widths, torch.bfloat16, n_active=32, seed=t + k)
+    meta = build_lora_metadata(slots, 32)
+    assert lora_ops.prefers_one_launch(t, k, widths, 16)
+    ones = []
+    for _ in range(5):
+        one = y.clone()
+        add_lora_linear(one, x, a, b, slots, meta)
+        ones.append(one)
+    assert int(meta.tile_flags.abs().sum()) == 0 and int(meta.locks.abs().sum()) == 0
+    monkeypatch.setattr(lora_ops, "ONE_LAUNCH_TOKENS", (0, 0))
+    two = y.clone()
+    add_lora_linear(two, x, a, b, slots, meta)
+    assert all(torch.equal(one, two) for one in ones)
+    assert_matches(two, reference(y, x, a, b, slots), y, slots, TOL[torch.bfloat16])

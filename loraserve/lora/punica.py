@@ -83,7 +83,7 @@ class PunicaWrapper:
         lora_b: list[torch.Tensor],
     ) -> torch.Tensor:
         """base(x) plus the LoRA update of every token's adapter."""
-        ws = self._shrink_beside(x, lora_a)
+        ws = self._shrink_beside(x, lora_a, lora_b)
         y = base(x)
         if ws is None:
             self.add_lora_linear(y, x, lora_a, lora_b)
@@ -105,7 +105,7 @@ class PunicaWrapper:
         update added first; with the kernels, inside the activation's one pass."""
         from loraserve.kernels.activation import silu_and_mul
 
-        ws = self._shrink_beside(x, lora_a)
+        ws = self._shrink_beside(x, lora_a, lora_b, fused_silu=True)
         gate_up = base(x)
         if ws is None:
             self.add_lora_linear(gate_up, x, lora_a, lora_b)
@@ -115,12 +115,24 @@ class PunicaWrapper:
         torch.cuda.current_stream().wait_stream(self.side_stream)
         return silu_and_mul_lora(gate_up, x, lora_a, lora_b, self.meta, ws=ws)
 
-    def _shrink_beside(self, x: torch.Tensor, lora_a: list[torch.Tensor]) -> torch.Tensor | None:
+    def _shrink_beside(
+        self,
+        x: torch.Tensor,
+        lora_a: list[torch.Tensor],
+        lora_b: list[torch.Tensor],
+        fused_silu: bool = False,
+    ) -> torch.Tensor | None:
         """Start the LoRA shrink on the side stream, where it runs beside the base
         projection (both only read x); None where the kernels do not run."""
         if not self.any_lora or self.meta is None or len(lora_a) > self.max_slices:
             return None
         from loraserve.kernels import lora_shrink
+        from loraserve.kernels.lora_ops import prefers_one_launch
+
+        num_tokens, k = x.shape
+        widths = [b.shape[1] for b in lora_b]
+        if not fused_silu and prefers_one_launch(num_tokens, k, widths, lora_a[0].shape[1]):
+            return None  # add_lora_linear runs shrink and expand as one launch
 
         # Also orders this shrink after the previous layer's expand, which read
         # the same workspace.
