@@ -48,9 +48,9 @@ fi
 if has tests; then
   stamp tests
   # The gpu-marked tests, and the fused-kernel tests that run compiled on a GPU.
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q tests/test_engine_gpu.py \
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q ${TEST_FILES:-tests/test_engine_gpu.py \
       tests/test_kernels_gpu.py tests/test_paged_attention_gpu.py \
-      tests/test_fused_norm_rope.py > "$OUT/gpu_tests.log" 2>&1
+      tests/test_fused_norm_rope.py} > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?" >> "$OUT/gpu_tests.log"
 fi
 
