@@ -31,6 +31,18 @@ request) and prefill batches share one code path; split-K gives decode enough
 programs to use the whole GPU. (A one-launch variant, each program redoing its
 tile's shrink, lost to it at every point tuned on an H200 and was removed.)
 
+At decode batch sizes (``ONE_LAUNCH_TOKENS``) the two run as one launch
+instead (``launch_one``): the shrink programs come first in the grid, and each
+expand program waits on a per-tile flag that the programs writing its tile's
+final shrink raise. That saves the gap between two dependent launches, a good
+part of the op at these sizes. It relies on a grid's blocks starting in index
+order (so a waiting program only waits for programs already running), which
+is how NVIDIA GPUs dispatch them.
+
+``lora_shrink`` and ``lora_expand`` are the two halves as separate calls, so the
+shrink can run on another stream beside the base projection, which also only
+reads x (``loraserve.lora.punica``).
+
 Launch configs come from ``lora_config`` (a tuned JSON per GPU in
 ``kernels/configs/``, else heuristics).
 
