@@ -185,7 +185,6 @@ def expand_config(num_tokens: int, n_total: int, rank: int) -> dict[str, Any]:
     return cfg
 
 
-
 @lru_cache(maxsize=4096)
 def silu_config(num_tokens: int, width: int, rank: int) -> dict[str, Any]:
     """The fused gate/up expand + activation over [T, 2 * width]: by default the

@@ -105,7 +105,8 @@ class PunicaWrapper:
         update added first; with the kernels, inside the activation's one pass."""
         from loraserve.kernels.activation import silu_and_mul
 
-        ws = self._shrink_beside(x, lora_a, lora_b, fused_silu=True)
+        # The expand goes into the activation: never the one-launch op.
+        ws = self._shrink_beside(x, lora_a, lora_b, allow_one_launch=False)
         gate_up = base(x)
         if ws is None:
             self.add_lora_linear(gate_up, x, lora_a, lora_b)
@@ -120,10 +121,12 @@ class PunicaWrapper:
         x: torch.Tensor,
         lora_a: list[torch.Tensor],
         lora_b: list[torch.Tensor],
-        fused_silu: bool = False,
+        allow_one_launch: bool = True,
     ) -> torch.Tensor | None:
         """Start the LoRA shrink on the side stream, where it runs beside the base
-        projection (both only read x); None where the kernels do not run."""
+        projection (both only read x); None where it does not run apart: no
+        kernels, or (if allowed) add_lora_linear runs shrink and expand as one
+        launch at this size."""
         if not self.any_lora or self.meta is None or len(lora_a) > self.max_slices:
             return None
         from loraserve.kernels import lora_shrink
@@ -131,8 +134,8 @@ class PunicaWrapper:
 
         num_tokens, k = x.shape
         widths = [b.shape[1] for b in lora_b]
-        if not fused_silu and prefers_one_launch(num_tokens, k, widths, lora_a[0].shape[1]):
-            return None  # add_lora_linear runs shrink and expand as one launch
+        if allow_one_launch and prefers_one_launch(num_tokens, k, widths, lora_a[0].shape[1]):
+            return None
 
         # Also orders this shrink after the previous layer's expand, which read
         # the same workspace.
