@@ -847,6 +847,7 @@ def add_lora_linear(
     num_slots, rank, _ = lora_a[0].shape
     if meta is None:
         meta = build_lora_metadata(token_slots, num_slots)
+    _check_meta(meta, num_tokens, num_slots)
     widths = [b.shape[1] for b in lora_b]
     offsets = [sum(widths[:i]) for i in range(len(widths))]
     # One expand config over all slices (as launch_configs names it).
@@ -856,8 +857,7 @@ def add_lora_linear(
         a_grp, b_grp, o_grp = lora_a[g : g + step], lora_b[g : g + step], offsets[g : g + step]
         scfg = shrink_config(num_tokens, x.shape[1], rank, len(a_grp))
         if one_launch(num_tokens, scfg, ecfg):
-            _check_meta(meta, num_tokens, num_slots)
             launch_one(y, x, a_grp, b_grp, o_grp, meta, scfg, ecfg)
         else:
-            ws = lora_shrink(x, a_grp, meta)
+            ws = launch_shrink(x, a_grp, meta, scfg)
             launch_expand(y, b_grp, o_grp, meta, ws, ecfg)
