@@ -64,7 +64,9 @@ fi
 
 if has profile || has decode32 || has offline || has startup || has serve; then
   stamp setup
-  python3 benchmarks/make_bench_setup.py --out /tmp/bench --num-adapters "${NUM_ADAPTERS:-32}" \
+  # The serving runs pick from 64 adapters; the offline runs use the first 32.
+  python3 benchmarks/make_bench_setup.py --out /tmp/bench \
+      --num-adapters "${NUM_ADAPTERS:-$(has serve && echo 64 || echo 32)}" \
       --rank 16 > "$OUT/setup.log" 2>&1
 fi
 

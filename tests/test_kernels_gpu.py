@@ -226,8 +226,9 @@ def test_silu_and_mul_lora_equals_expand_then_activation(t, n_active, frac_none)
 
 @pytest.mark.parametrize("t", [1, 256])
 def test_punica_linear_shrink_beside_in_a_cuda_graph(t):
-    # The wrapper runs the shrink on a side stream beside the base GEMM; inside a
-    # captured graph that is a branch that must join before the expand.
+    # At T=1 the wrapper runs the shrink on a side stream beside the base GEMM;
+    # inside a captured graph that is a branch that must join before the expand.
+    # At T=256 shrink and expand are one launch after the GEMM.
     from loraserve.lora.punica import PunicaWrapper
 
     k, widths = QKV
