@@ -35,13 +35,11 @@ class PunicaWrapper:
         self.meta = None
         if _kernels_available(device):
             from loraserve.kernels import LoRAMetadata
-            from loraserve.kernels.lora_ops import MAX_SLICES_PER_LAUNCH
 
             self.meta = LoRAMetadata(max_num_tokens, num_slots, device)
             # The shrinks run here, beside the base projections (also in CUDA graphs,
             # as a branch of the captured graph).
             self.side_stream = torch.cuda.Stream(device)
-            self.max_slices = MAX_SLICES_PER_LAUNCH
 
     def update_mapping(self, token_slots: list[int]) -> None:
         """Set the slot of each token of this step (-1: no adapter)."""
@@ -83,15 +81,13 @@ class PunicaWrapper:
         lora_b: list[torch.Tensor],
     ) -> torch.Tensor:
         """base(x) plus the LoRA update of every token's adapter."""
-        ws = self._shrink_beside(x, lora_a, lora_b)
-        y = base(x)
+        y, ws = self._project(base, x, lora_a, lora_b, allow_one_launch=True)
         if ws is None:
             self.add_lora_linear(y, x, lora_a, lora_b)
-            return y
-        from loraserve.kernels import lora_expand
+        else:
+            from loraserve.kernels import lora_expand
 
-        torch.cuda.current_stream().wait_stream(self.side_stream)
-        lora_expand(y, lora_b, self.meta, ws)
+            lora_expand(y, lora_b, self.meta, ws)
         return y
 
     def linear_silu_and_mul(
@@ -103,45 +99,49 @@ class PunicaWrapper:
     ) -> torch.Tensor:
         """silu(gate) * up of a merged gate/up projection base(x) (CUDA), the LoRA
         update added first; with the kernels, inside the activation's one pass."""
-        from loraserve.kernels.activation import silu_and_mul
-
         # The expand goes into the activation: never the one-launch op.
-        ws = self._shrink_beside(x, lora_a, lora_b, allow_one_launch=False)
-        gate_up = base(x)
+        gate_up, ws = self._project(base, x, lora_a, lora_b, allow_one_launch=False)
         if ws is None:
+            from loraserve.kernels.activation import silu_and_mul
+
             self.add_lora_linear(gate_up, x, lora_a, lora_b)
             return silu_and_mul(gate_up)
         from loraserve.kernels import silu_and_mul_lora
 
-        torch.cuda.current_stream().wait_stream(self.side_stream)
         return silu_and_mul_lora(gate_up, x, lora_a, lora_b, self.meta, ws=ws)
 
-    def _shrink_beside(
+    def _project(
         self,
+        base: nn.Module,
         x: torch.Tensor,
         lora_a: list[torch.Tensor],
         lora_b: list[torch.Tensor],
-        allow_one_launch: bool = True,
-    ) -> torch.Tensor | None:
-        """Start the LoRA shrink on the side stream, where it runs beside the base
-        projection (both only read x); None where it does not run apart: no
-        kernels, or (if allowed) add_lora_linear runs shrink and expand as one
-        launch at this size."""
-        if not self.any_lora or self.meta is None or len(lora_a) > self.max_slices:
-            return None
+        allow_one_launch: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """base(x), with the LoRA shrink of x run beside it on the side stream (both
+        only read x) and joined before returning: (y, shrink workspace). The
+        workspace is None where the shrink does not run apart: no kernels, or (if
+        allowed) add_lora_linear runs shrink and expand as one launch at this size."""
+        if not self.any_lora or self.meta is None:
+            return base(x), None
         from loraserve.kernels import lora_shrink
-        from loraserve.kernels.lora_ops import prefers_one_launch
+        from loraserve.kernels.lora_ops import MAX_SLICES_PER_LAUNCH, prefers_one_launch
 
         num_tokens, k = x.shape
         widths = [b.shape[1] for b in lora_b]
-        if allow_one_launch and prefers_one_launch(num_tokens, k, widths, lora_a[0].shape[1]):
-            return None
-
+        if len(lora_a) > MAX_SLICES_PER_LAUNCH or (
+            allow_one_launch and prefers_one_launch(num_tokens, k, widths, lora_a[0].shape[1])
+        ):
+            return base(x), None
+        main = torch.cuda.current_stream()
         # Also orders this shrink after the previous layer's expand, which read
         # the same workspace.
-        self.side_stream.wait_stream(torch.cuda.current_stream())
+        self.side_stream.wait_stream(main)
         with torch.cuda.stream(self.side_stream):
-            return lora_shrink(x, lora_a, self.meta)
+            ws = lora_shrink(x, lora_a, self.meta)
+        y = base(x)
+        main.wait_stream(self.side_stream)
+        return y, ws
 
     def add_lora_linear(
         self,
