@@ -27,6 +27,8 @@ import torch
 import triton.testing
 from loraserve.kernels import paged_attention as pa
 
+from kernels import capture_graph, copy_bandwidth  # benchmarks/kernels.py
+
 HQ, HK, D, BS = 32, 8, 128, 16
 BATCHES = [1, 32, 64, 256]
 CONTEXTS = [512, 2048]
@@ -34,23 +36,9 @@ MIN_BYTES = 512 << 20
 DTYPE = torch.bfloat16
 
 
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=20, rep=200, return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3)
-
-
 def time_graph(fn, reps: int = 20) -> float:
     """Median ms of one replay of a graph that runs ``fn`` once."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_graph(fn)
     for _ in range(3):
         graph.replay()
     times = []

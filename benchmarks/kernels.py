@@ -69,8 +69,9 @@ def torch_reference(y, x, lora_a, lora_b, idx):
         off += n
 
 
-def time_graph(fn, calls: int = CALLS_PER_TIMING) -> float:
-    """Median µs of one call, from replays of a graph of fn, which makes `calls` calls."""
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of one run of fn, after a warm-up run on a side stream (which
+    compiles kernels and sizes workspaces), as torch asks before a capture."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -79,6 +80,12 @@ def time_graph(fn, calls: int = CALLS_PER_TIMING) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def time_graph(fn, calls: int = CALLS_PER_TIMING) -> float:
+    """Median µs of one call, from replays of a graph of fn, which makes `calls` calls."""
+    graph = capture_graph(fn)
     ms = triton.testing.do_bench(graph.replay, warmup=5, rep=40, return_mode="median")
     del graph
     return ms * 1e3 / calls
