@@ -25,7 +25,7 @@ from typing import Any
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 # T buckets the tuner measures; a lookup snaps T to the nearest bucket (log scale).
-T_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+T_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 8192, 16384)
 MAX_SPLIT_K = 64
 # Sections of a tuned table: the shrink, the expand, and the gate/up expand fused
 # into SiLU-and-multiply (lora_activation).
@@ -136,6 +136,8 @@ def default_shrink_config(num_tokens: int, k: int, rank: int, num_slices: int) -
         "SPLIT_K": split,
         "num_warps": 4,
         "num_stages": 3 if split <= 4 else 2,
+        # 1: one program computes every slice of its tile (x read once).
+        "FUSE_SLICES": 0,
     }
 
 

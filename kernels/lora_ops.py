@@ -146,7 +146,9 @@ def _pick(i, v0, v1, v2):
 @triton.jit
 def _shrink_tile(
     x_ptr,
-    a_ptr,
+    a0_ptr,
+    a1_ptr,
+    a2_ptr,
     tok,
     row_mask,
     slot,
@@ -159,6 +161,7 @@ def _shrink_tile(
     stride_as,
     stride_ar,
     stride_ak,
+    COUNT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -166,33 +169,48 @@ def _shrink_tile(
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """fp32 [BLOCK_M, BLOCK_R] = x[tok, k_lo:k_lo+k_len] @ A[slot, :, same K range].T"""
+    """fp32 [BLOCK_M, BLOCK_R] = x[tok, k_lo:k_lo+k_len] @ A[slot, :, same K range].T
+    for the first COUNT of (a0, a1, a2); each x block is loaded once for all of them
+    (the accumulators past COUNT stay zero and are compiled away)."""
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     r_mask = offs_r < R
     x_ptrs = x_ptr + tok[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
-    a_ptrs = (
-        a_ptr
-        + slot.to(tl.int64) * stride_as
+    a_offs = (
+        slot.to(tl.int64) * stride_as
         + offs_r[:, None] * stride_ar
         + (k_lo + offs_k)[None, :] * stride_ak
     )
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k in range(0, k_len, BLOCK_K):
         if EVEN_K:
-            xb = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
-            ab = tl.load(a_ptrs, mask=r_mask[:, None], other=0.0)
+            x_mask = row_mask[:, None]
+            a_mask = r_mask[:, None]
         else:
             k_mask = (k_lo + k + offs_k) < K
-            xb = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            ab = tl.load(a_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            x_mask = row_mask[:, None] & k_mask[None, :]
+            a_mask = r_mask[:, None] & k_mask[None, :]
+        xb = tl.load(x_ptrs, mask=x_mask, other=0.0)
         if DOT_FP32:
             xb = xb.to(tl.float32)
-            ab = ab.to(tl.float32)
-        acc = tl.dot(xb, tl.trans(ab), acc, input_precision=PRECISION)
+        acc0 = _shrink_step(xb, a0_ptr + a_offs, a_mask, acc0, PRECISION, DOT_FP32)
+        if COUNT > 1:
+            acc1 = _shrink_step(xb, a1_ptr + a_offs, a_mask, acc1, PRECISION, DOT_FP32)
+        if COUNT > 2:
+            acc2 = _shrink_step(xb, a2_ptr + a_offs, a_mask, acc2, PRECISION, DOT_FP32)
         x_ptrs += BLOCK_K * stride_xk
-        a_ptrs += BLOCK_K * stride_ak
-    return acc
+        a_offs += BLOCK_K * stride_ak
+    return acc0, acc1, acc2
+
+
+@triton.jit
+def _shrink_step(xb, a_ptrs, a_mask, acc, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    ab = tl.load(a_ptrs, mask=a_mask, other=0.0)
+    if DOT_FP32:
+        ab = ab.to(tl.float32)
+    return tl.dot(xb, tl.trans(ab), acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -312,6 +330,7 @@ def _shrink_program(
     stride_ar,
     stride_ak,
     NUM_SLICES: tl.constexpr,
+    PROGRAM_SLICES: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -322,59 +341,88 @@ def _shrink_program(
     DOT_FP32: tl.constexpr,
     SIGNAL: tl.constexpr,
 ):
-    """One (K split, slice) of token tile pid_m. With SIGNAL, the program that
-    writes a slice's final result adds 1 to the tile's flag (one launch)."""
-    slice_id = pid0 % NUM_SLICES
-    split = pid0 // NUM_SLICES
+    """One K split of token tile pid_m, for one slice (PROGRAM_SLICES 1) or for all
+    of them (PROGRAM_SLICES == NUM_SLICES: x is read once, not once per slice).
+    With SIGNAL, the program that writes a slice's final result adds 1 to the
+    tile's flag for it (one launch)."""
+    groups = NUM_SLICES // PROGRAM_SLICES
+    first = (pid0 % groups) * PROGRAM_SLICES
+    split = pid0 // groups
     slot, pos0, rows_left = _slot_tile(
         pid_m, slot_start_ptr, slot_count_ptr, num_slots, num_tokens, BLOCK_M, BLOCK_S, False
     )
     if slot < num_slots:
-        a_ptr = _pick(slice_id, a0_ptr, a1_ptr, a2_ptr)
+        if PROGRAM_SLICES == 1:
+            a_first = _pick(first, a0_ptr, a1_ptr, a2_ptr)
+            a_second = a_first
+            a_third = a_first
+        else:
+            a_first = a0_ptr
+            a_second = a1_ptr
+            a_third = a2_ptr
         offs_m = tl.arange(0, BLOCK_M)
         row_mask = offs_m < rows_left
         tok = tl.load(sorted_ids_ptr + pos0 + offs_m, mask=row_mask, other=0).to(tl.int64)
-        acc = _shrink_tile(
-            x_ptr, a_ptr, tok, row_mask, slot, split * k_per_split, k_per_split, K, R,
-            stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
-            BLOCK_M, BLOCK_K, BLOCK_R, EVEN_K, PRECISION, DOT_FP32,
+        acc0, acc1, acc2 = _shrink_tile(
+            x_ptr, a_first, a_second, a_third, tok, row_mask, slot, split * k_per_split,
+            k_per_split, K, R, stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
+            PROGRAM_SLICES, BLOCK_M, BLOCK_K, BLOCK_R, EVEN_K, PRECISION, DOT_FP32,
         )
         # Workspace layout: [1 + SPLIT_K, NUM_SLICES, num_tokens (sorted order), R]; block
         # 0 holds the final fp32 shrink, blocks 1.. the split-K partials.
         offs_r = tl.arange(0, BLOCK_R)
         ws_mask = row_mask[:, None] & (offs_r < R)[None, :]
-        rows = slice_id * num_tokens + pos0 + offs_m
+        rows = first * num_tokens + pos0 + offs_m
         if SPLIT_K == 1:
-            tl.store(ws_ptr + rows[:, None] * R + offs_r[None, :], acc, mask=ws_mask)
+            _store_slices(
+                ws_ptr, rows, num_tokens, R, offs_r, ws_mask, acc0, acc1, acc2, PROGRAM_SLICES
+            )
             if SIGNAL:
                 tl.debug_barrier()
-                tl.atomic_add(flag_ptr + pid_m, 1, sem="release", scope="gpu")
+                tl.atomic_add(flag_ptr + pid_m, PROGRAM_SLICES, sem="release", scope="gpu")
         else:
             part = rows + (1 + split) * NUM_SLICES * num_tokens
-            tl.store(ws_ptr + part[:, None] * R + offs_r[None, :], acc, mask=ws_mask)
-            # The last split of this (tile, slice) to arrive sums the partials, so
+            _store_slices(
+                ws_ptr, part, num_tokens, R, offs_r, ws_mask, acc0, acc1, acc2, PROGRAM_SLICES
+            )
+            # The last split of this (tile, slices) to arrive sums the partials, so
             # the expand reads one fp32 block instead of SPLIT_K of them per N block.
             # The barrier puts every thread's stores before the release of the
             # counter; the counter goes back to 0 for the next call (or replay).
             tl.debug_barrier()
-            lock = lock_ptr + pid_m * NUM_SLICES + slice_id
+            lock = lock_ptr + pid_m * NUM_SLICES + first
             arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:
-                total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                for sp in tl.static_range(SPLIT_K):
-                    part = rows + (1 + sp) * NUM_SLICES * num_tokens
-                    # .cg: read L2, never a stale L1 line.
-                    total += tl.load(
-                        ws_ptr + part[:, None] * R + offs_r[None, :],
-                        mask=ws_mask,
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-                tl.store(ws_ptr + rows[:, None] * R + offs_r[None, :], total, mask=ws_mask)
+                for i in tl.static_range(PROGRAM_SLICES):
+                    slice_rows = rows + i * num_tokens
+                    total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                    for sp in tl.static_range(SPLIT_K):
+                        part = slice_rows + (1 + sp) * NUM_SLICES * num_tokens
+                        # .cg: read L2, never a stale L1 line.
+                        total += tl.load(
+                            ws_ptr + part[:, None] * R + offs_r[None, :],
+                            mask=ws_mask,
+                            other=0.0,
+                            cache_modifier=".cg",
+                        )
+                    tl.store(ws_ptr + slice_rows[:, None] * R + offs_r[None, :], total,
+                             mask=ws_mask)
                 tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
                 if SIGNAL:
                     tl.debug_barrier()
-                    tl.atomic_add(flag_ptr + pid_m, 1, sem="release", scope="gpu")
+                    tl.atomic_add(flag_ptr + pid_m, PROGRAM_SLICES, sem="release", scope="gpu")
+
+
+@triton.jit
+def _store_slices(ws_ptr, rows, slice_stride, R, offs_r, mask, acc0, acc1, acc2,
+                  COUNT: tl.constexpr):
+    # The first COUNT accumulators, to the workspace rows of consecutive slices.
+    tl.store(ws_ptr + rows[:, None] * R + offs_r[None, :], acc0, mask=mask)
+    if COUNT > 1:
+        tl.store(ws_ptr + (rows + slice_stride)[:, None] * R + offs_r[None, :], acc1, mask=mask)
+    if COUNT > 2:
+        tl.store(ws_ptr + (rows + 2 * slice_stride)[:, None] * R + offs_r[None, :], acc2,
+                 mask=mask)
 
 
 @triton.jit
@@ -486,8 +534,8 @@ def _lora_shrink_kernel(
     x_ptr, ws_ptr, lock_ptr, sorted_ids_ptr, slot_start_ptr, slot_count_ptr,
     a0_ptr, a1_ptr, a2_ptr, num_tokens, num_slots, K, R, k_per_split,
     stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
-    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    NUM_SLICES: tl.constexpr, PROGRAM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     # Slice index varies fastest so the programs sharing one x tile run together
@@ -497,8 +545,8 @@ def _lora_shrink_kernel(
         sorted_ids_ptr, slot_start_ptr, slot_count_ptr, a0_ptr, a1_ptr, a2_ptr,
         num_tokens, num_slots, K, R, k_per_split,
         stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
-        NUM_SLICES, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_S, EVEN_K, PRECISION, DOT_FP32,
-        False,
+        NUM_SLICES, PROGRAM_SLICES, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_S, EVEN_K,
+        PRECISION, DOT_FP32, False,
     )
 
 
@@ -530,8 +578,8 @@ def _lora_one_launch_kernel(
     num_tokens, num_slots, K, R, k_per_split, m_tiles, flag_stride,
     stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
     stride_bn, stride_br, stride_ym, stride_yn,
-    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    NUM_SLICES: tl.constexpr, PROGRAM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr, EVEN_K: tl.constexpr, ALIGN: tl.constexpr,
     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, N_ITERS: tl.constexpr,
 ):
@@ -539,7 +587,7 @@ def _lora_one_launch_kernel(
     # every expand program, and blocks start in index order, so an expand program
     # waiting on its tile's flag only waits for programs already running.
     pid = tl.program_id(0)
-    per_tile = NUM_SLICES * SPLIT_K
+    per_tile = NUM_SLICES // PROGRAM_SLICES * SPLIT_K
     n_shrink = per_tile * m_tiles
     n_expand = (nb_total + N_ITERS - 1) // N_ITERS
     if pid < n_shrink:
@@ -548,8 +596,8 @@ def _lora_one_launch_kernel(
             sorted_ids_ptr, slot_start_ptr, slot_count_ptr, a0_ptr, a1_ptr, a2_ptr,
             num_tokens, num_slots, K, R, k_per_split,
             stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
-            NUM_SLICES, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_S, EVEN_K, PRECISION,
-            DOT_FP32, True,
+            NUM_SLICES, PROGRAM_SLICES, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_S, EVEN_K,
+            PRECISION, DOT_FP32, True,
         )
     else:
         e = pid - n_shrink
@@ -642,7 +690,8 @@ def _shrink_args(
         k_per_split=_cdiv(_cdiv(k, split_k), block_k) * block_k,
         stride_xm=x.stride(0), stride_xk=x.stride(1), stride_as=lora_a[0].stride(0),
         stride_ar=lora_a[0].stride(1), stride_ak=lora_a[0].stride(2),
-        NUM_SLICES=ns, SPLIT_K=split_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=block_k,
+        NUM_SLICES=ns, PROGRAM_SLICES=ns if cfg.get("FUSE_SLICES") else 1, SPLIT_K=split_k,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=block_k,
         BLOCK_R=rank_block(rank), BLOCK_S=_block_s(num_slots),
         EVEN_K=(k % (split_k * block_k) == 0), PRECISION=precision, DOT_FP32=dot_fp32,
     )
@@ -677,6 +726,10 @@ def _expand_args(
     )
 
 
+def _shrink_programs_per_tile(args: dict) -> int:
+    return args["NUM_SLICES"] // args["PROGRAM_SLICES"] * args["SPLIT_K"]
+
+
 def launch_shrink(
     x: torch.Tensor,
     lora_a: Sequence[torch.Tensor],
@@ -687,7 +740,7 @@ def launch_shrink(
     """Shrink for up to 3 slices: fp32 split-K partials into the workspace (returned)."""
     args = _shrink_args(x, lora_a, meta, cfg, ws)
     m_tiles = max_token_tiles(x.shape[0], cfg["BLOCK_M"], args["num_slots"])
-    _lora_shrink_kernel[(args["NUM_SLICES"] * cfg["SPLIT_K"], m_tiles)](
+    _lora_shrink_kernel[(_shrink_programs_per_tile(args), m_tiles)](
         **args, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]
     )
     return args["ws_ptr"]
@@ -725,7 +778,7 @@ def launch_one(
     sargs = _shrink_args(x, lora_a, meta, scfg, None)
     eargs = _expand_args(y, lora_b, y_offsets, meta, sargs["ws_ptr"], ecfg)
     m_tiles = max_token_tiles(x.shape[0], scfg["BLOCK_M"], sargs["num_slots"])
-    n_shrink = sargs["NUM_SLICES"] * scfg["SPLIT_K"] * m_tiles
+    n_shrink = _shrink_programs_per_tile(sargs) * m_tiles
     n_expand = _cdiv(eargs["nb_total"], eargs["N_ITERS"]) * m_tiles
     # The two share their metadata, workspace, sizes and common block sizes.
     _lora_one_launch_kernel[(n_shrink + n_expand,)](

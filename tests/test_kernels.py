@@ -145,10 +145,12 @@ def test_metadata_mismatch_raises():
         lora_ops.add_lora_linear(y, x, a, b, slots, meta)
 
 
-def test_large_split_k_path(monkeypatch):
+@pytest.mark.parametrize("fuse_slices", [0, 1])
+def test_large_split_k_path(monkeypatch, fuse_slices):
     # Force many K splits with a narrow K block (the decode configuration).
     def cfg(num_tokens, k, rank, num_slices):
-        return {"BLOCK_M": 16, "BLOCK_K": 16, "SPLIT_K": 8, "num_warps": 4, "num_stages": 1}
+        return {"BLOCK_M": 16, "BLOCK_K": 16, "SPLIT_K": 8, "num_warps": 4, "num_stages": 1,
+                "FUSE_SLICES": fuse_slices}
 
     monkeypatch.setattr(lora_ops, "shrink_config", cfg)
     y, x, a, b, slots = make_case(19, 100, 16, 2, [16, 8, 8], torch.float32, seed=8)
@@ -156,6 +158,26 @@ def test_large_split_k_path(monkeypatch):
     # Twice on one metadata object: the split-K arrival counters must reset.
     for _ in range(2):
         check(y, x, a, b, slots, meta)
+        assert int(meta.locks.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("t,s,widths", [(1, 2, [40, 8]), (21, 3, [40, 24, 9]), (70, 4, [16, 8])])
+def test_shrink_of_all_slices_in_one_program_equals_one_each(monkeypatch, split_k, t, s, widths):
+    # FUSE_SLICES: one program reads its x tile once for every slice's A (prefill
+    # sizes). K = 67 leaves a ragged last K block.
+    def cfg(fuse):
+        return lambda *_: {"BLOCK_M": 16, "BLOCK_K": 16, "SPLIT_K": split_k, "num_warps": 4,
+                           "num_stages": 1, "FUSE_SLICES": fuse}
+
+    y, x, a, b, slots = make_case(t, 67, 8, s, widths, torch.float32, seed=t + 10 * split_k)
+    meta = build_lora_metadata(slots, s)
+    monkeypatch.setattr(lora_ops, "shrink_config", cfg(0))
+    each = check(y, x, a, b, slots, meta)
+    monkeypatch.setattr(lora_ops, "shrink_config", cfg(1))
+    for _ in range(2):  # twice on one metadata object: the split-K counters must reset
+        fused = check(y, x, a, b, slots, meta)
+        assert torch.equal(fused, each)
         assert int(meta.locks.abs().sum()) == 0
 
 
@@ -270,14 +292,14 @@ def test_launch_configs_name_the_fused_activation_configs(monkeypatch, t):
     assert tuple(sorted(launched[1].items())) == silu
 
 
-@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("split_k,fuse_slices", [(1, 0), (4, 0), (4, 1)])
 @pytest.mark.parametrize("t,s,widths", [(1, 2, [40]), (21, 3, [40, 24, 9]), (70, 4, [16, 8, 8])])
-def test_one_launch_equals_two(monkeypatch, split_k, t, s, widths):
+def test_one_launch_equals_two(monkeypatch, split_k, fuse_slices, t, s, widths):
     # Shrink and expand in one grid, expand programs waiting on their tile's flag:
     # the same result as two launches, and the flags back at 0 for the next call.
     def scfg(num_tokens, k, rank, num_slices):
         return {"BLOCK_M": 16, "BLOCK_K": 16, "SPLIT_K": split_k, "num_warps": 4,
-                "num_stages": 1}
+                "num_stages": 1, "FUSE_SLICES": fuse_slices}
 
     def ecfg(num_tokens, n_total, rank):
         return {"BLOCK_M": 16, "BLOCK_N": 16, "N_ITERS": 2, "num_warps": 4, "num_stages": 1}
