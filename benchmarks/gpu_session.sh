@@ -9,6 +9,8 @@
 #   layer     LoRA cost per linear layer class (lora_layer.py)
 #   profile   where a batch-32 decode step's time goes (profile_decode.py)
 #   decode32  base decode at batch 32 (offline.py), and the same through PEFT
+#   offprof   where the offline run's LoRA overhead goes: prefill vs decode, GPU time by
+#             kernel kind (profile_offline.py)
 #   offline   LoRA vs base offline throughput, 32 rank-16 adapters, 256 requests
 #             (OFFLINE_REPEATS alternating base/LoRA runs in one process, default 3)
 #   startup   graph capture time and memory, LoRA vs base (startup.py; PROFILE_STARTUP=1
@@ -62,7 +64,7 @@ if has layer; then
   echo "layer rc=$?" >> "$OUT/lora_layer.log"
 fi
 
-if has profile || has decode32 || has offline || has startup || has serve; then
+if has profile || has decode32 || has offprof || has offline || has startup || has serve; then
   stamp setup
   # The serving runs pick from 64 adapters; the offline runs use the first 32.
   python3 benchmarks/make_bench_setup.py --out /tmp/bench \
@@ -91,6 +93,13 @@ if has decode32; then
         --json "$OUT/decode32_peft.json") > "$OUT/decode32_peft.log" 2>&1
     echo "decode32 peft rc=$?" >> "$OUT/decode32_peft.log"
   fi
+fi
+
+if has offprof; then
+  stamp offprof
+  (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 profile_offline.py --model $MODEL \
+      --load-format dummy --adapters $ADAPTERS --out "$OUT/offprof") > "$OUT/offprof.log" 2>&1
+  echo "offprof rc=$?" >> "$OUT/offprof.log"
 fi
 
 if has offline; then
