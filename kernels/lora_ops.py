@@ -364,7 +364,8 @@ def _shrink_program(
         row_mask = offs_m < rows_left
         tok = tl.load(sorted_ids_ptr + pos0 + offs_m, mask=row_mask, other=0).to(tl.int64)
         acc0, acc1, acc2 = _shrink_tile(
-            x_ptr, a_first, a_second, a_third, tok, row_mask, slot, split * k_per_split,
+            x_ptr, a_first, a_second, a_third, tok, row_mask, slot,
+            tl.multiple_of(split * k_per_split, BLOCK_K),
             k_per_split, K, R, stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
             PROGRAM_SLICES, BLOCK_M, BLOCK_K, BLOCK_R, EVEN_K, PRECISION, DOT_FP32,
         )
