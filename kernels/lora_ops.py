@@ -19,7 +19,9 @@ How it runs: tokens are grouped by slot (``LoRAMetadata``, one sort per step),
 then two launches per call (per group of up to 3 slices):
 
 1. shrink: for each (slot, tile of up to BLOCK_M tokens, K split, slice),
-   ``x_tile @ A[slot].T`` in fp32. With split-K each split writes a partial;
+   ``x_tile @ A[slot].T`` in fp32; with ``FUSE_SLICES`` one program covers
+   every slice of its tile, loading each x block once. With split-K each
+   split writes a partial;
    the last split to arrive (an atomic counter per tile and slice, reset by
    that program) sums them in a fixed order, so results are deterministic;
 2. expand: for each (slot, token tile, N_ITERS blocks of BLOCK_N columns of
