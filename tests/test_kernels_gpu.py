@@ -278,3 +278,23 @@ def test_one_launch_equals_two_launches(monkeypatch, name, t):
     add_lora_linear(two, x, a, b, slots, meta)
     assert all(torch.equal(one, two) for one in ones)
     assert_matches(two, reference(y, x, a, b, slots), y, slots, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("name", ["qkv", "gate_up"])
+@pytest.mark.parametrize("t", [256, 4096])
+@pytest.mark.parametrize("fuse", [0, 1])
+def test_shrink_slices_in_one_program_or_one_each(monkeypatch, name, t, fuse):
+    # FUSE_SLICES forced on and off over the config in use: the same update, one
+    # program per slice or one for all of a tile's slices, compiled (qkv at T=256
+    # runs as one launch).
+    from loraserve.kernels import lora_ops
+
+    real = lora_ops.shrink_config
+    monkeypatch.setattr(
+        lora_ops, "shrink_config", lambda *args: {**real(*args), "FUSE_SLICES": fuse}
+    )
+    k, widths = SHAPES[name]
+    y, x, a, b, slots = make(t, k, 16, 32, widths, torch.bfloat16, n_active=32, seed=t + fuse)
+    got = y.clone()
+    add_lora_linear(got, x, a, b, slots)
+    assert_matches(got, reference(y, x, a, b, slots), y, slots, TOL[torch.bfloat16])
