@@ -4,13 +4,16 @@
 
 Shape classes are (T bucket, K or total N, padded rank, slices) as in
 ``loraserve.kernels.lora_config``. For each class a coordinate descent starts
-from the config in use (the table's, else the heuristic) and tries every value
+from the config in use (the table's, else the heuristic), or from the heuristic
+or a larger tile with more warps where those are faster, and tries every value
 of one parameter at a time (two rounds), timing CUDA-graph replays of a few
 calls on rotating inputs, with tokens spread over 1 and over 32 adapters (the
 objective is the sum). The shrink is tuned together with the starting expand
-(its split-K sets the expand's work), then the expand with the chosen shrink;
-for the gate/up class, then the expand fused into SiLU-and-multiply
-(``silu_and_mul_lora``, the path the model runs) with the chosen shrink.
+(its split-K sets the expand's work; at decode sizes the two run as one launch,
+as the model runs them), then the expand with the chosen shrink; for the
+gate/up class, then the expand fused into SiLU-and-multiply
+(``silu_and_mul_lora``, the path the model runs) with the chosen shrink. Each
+class also reports what its shrink alone takes.
 """
 
 from __future__ import annotations
