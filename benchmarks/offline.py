@@ -42,6 +42,13 @@ def adapter_names(root: Path, count: int) -> list[str]:
     return sorted(d.name for d in root.iterdir() if d.is_dir())[:count]
 
 
+def mixed_adapters(root: Path, count: int, num_prompts: int) -> list[LoRARequest]:
+    """A request for each prompt, round-robin over the first `count` adapters under root."""
+    names = adapter_names(root, count)
+    loras = [LoRARequest(n, i + 1, str(root / n)) for i, n in enumerate(names)]
+    return [loras[i % len(loras)] for i in range(num_prompts)]
+
+
 def finish_report(results: dict, json_path: Path | None) -> None:
     """Add the LoRA/base ratio (when both ran), print, and save."""
     if "lora" in results:
@@ -107,9 +114,7 @@ def main() -> None:
                                     "bytes": graphs.capture_bytes, "graphs": len(graphs.graphs)}
     per_prompt = None
     if args.adapters is not None:
-        names = adapter_names(args.adapters, args.num_adapters)
-        loras = [LoRARequest(n, i + 1, str(args.adapters / n)) for i, n in enumerate(names)]
-        per_prompt = [loras[i % len(loras)] for i in range(len(prompts))]
+        per_prompt = mixed_adapters(args.adapters, args.num_adapters, len(prompts))
     # Base and LoRA runs alternate, so drifts of the machine's speed over the
     # process (clocks, neighbours) reach both; each reports its median run.
     runs: dict[str, list[dict]] = {"base": [], "lora": []}

@@ -17,10 +17,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from offline import adapter_names, machine, make_prompts
+from offline import machine, make_prompts, mixed_adapters
 from torch.profiler import ProfilerActivity, profile
 
-from loraserve import LLM, LoRARequest, SamplingParams
+from loraserve import LLM, SamplingParams
 
 # Kernel kinds by name: the first pattern found in a kernel's name wins.
 KINDS = (
@@ -83,9 +83,8 @@ def main() -> None:
               max_loras=args.num_adapters, max_lora_rank=16, max_num_seqs=256)
     vocab = llm.config.model_config.hf_config.vocab_size
     prompts = make_prompts(args.num_requests, args.input_len, vocab)
-    names = adapter_names(args.adapters, args.num_adapters)
-    loras = [LoRARequest(n, i + 1, str(args.adapters / n)) for i, n in enumerate(names)]
-    cases = {"base": None, "lora": [loras[i % len(loras)] for i in range(len(prompts))]}
+    cases = {"base": None,
+             "lora": mixed_adapters(args.adapters, args.num_adapters, len(prompts))}
     phases = {
         "prefill": SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
         "full": SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True),
