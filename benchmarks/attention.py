@@ -171,6 +171,12 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--md")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--batches", nargs="+", type=int, default=BATCHES)
+    ap.add_argument("--contexts", nargs="+", type=int, default=CONTEXTS)
+    ap.add_argument("--splits", nargs="+", type=int,
+                    help="with --sweep: the split counts to time (default: the policy's "
+                         "half and double)")
+    ap.add_argument("--no-prefill", action="store_true")
     args = ap.parse_args()
 
     dev = torch.cuda.get_device_name()
@@ -180,16 +186,19 @@ def main() -> None:
     if args.sweep:
         configs = default + [
             pa.AttentionConfig(1, bn, w, st)
-            for bn, w, st in [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3)]
+            for bn, w, st in [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2),
+                              (128, 4, 3)]
         ]
     else:
         configs = default
 
     results = {"device": dev, "copy_gbps": bw / 1e9, "decode": [], "prefill": []}
-    for batch in BATCHES:
-        for ctx in CONTEXTS:
+    for batch in args.batches:
+        for ctx in args.contexts:
             rows = bench_decode(batch, ctx, default, lambda s: [s])
-            if args.sweep:
+            if args.sweep and args.splits:
+                rows += bench_decode(batch, ctx, configs, lambda s: args.splits)
+            elif args.sweep:
                 rows += bench_decode(batch, ctx, configs[1:], lambda s: [s])
                 rows += bench_decode(
                     batch,
@@ -205,7 +214,7 @@ def main() -> None:
             pa.AttentionConfig(bq, bn, w, st)
             for bq, bn, w, st in [(32, 128, 8, 2), (32, 64, 8, 3), (16, 64, 4, 2), (32, 64, 4, 2)]
         ]
-    for n, length in [(1, 4096), (4, 2048)]:
+    for n, length in [] if args.no_prefill else [(1, 4096), (4, 2048)]:
         results["prefill"] += bench_prefill(n, length, prefill_configs)
 
     if args.json:
@@ -213,10 +222,10 @@ def main() -> None:
             json.dump(results, f, indent=1)
     if args.md:
         with open(args.md, "w") as f:
-            f.write(markdown(results, bw, " ".join(sys.argv)))
+            f.write(markdown(results, bw, " ".join(sys.argv), args.batches, args.contexts))
 
 
-def markdown(results: dict, bw: float, cmd: str) -> str:
+def markdown(results: dict, bw: float, cmd: str, batches, contexts) -> str:
     lines = [
         f"Machine: {results['device']}; device-to-device copy {bw / 1e9:.0f} GB/s (read + write).",
         f"Command: `{cmd}`",
@@ -228,8 +237,8 @@ def markdown(results: dict, bw: float, cmd: str) -> str:
         "| batch | context | µs | GB/s | % copy | splits | best swept µs (tiling, splits) |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
-    for batch in BATCHES:
-        for ctx in CONTEXTS:
+    for batch in batches:
+        for ctx in contexts:
             pts = [r for r in results["decode"] if r["batch"] == batch and r["context"] == ctx]
             base = [r for r in pts if r["config"] is None and r["splits"] == r["default_splits"]]
             if not base:

@@ -5,6 +5,8 @@
 #   STAGES="tune tests profile decode32" bash benchmarks/gpu_session.sh
 # Stages:
 #   tune      tune LoRA kernel configs (TUNE_CLASSES, TUNE_TOKENS) into the table
+#   dense     tune the decode GEMM against cuBLAS (tune_dense.py, DENSE_TOKENS, DENSE_BUDGET)
+#             into the table
 #   tests     the gpu-marked tests (after tune: they run on the table it wrote)
 #   layer     LoRA cost per linear layer class (lora_layer.py)
 #   profile   where a batch-32 decode step's time goes (profile_decode.py)
@@ -47,11 +49,21 @@ if has tune; then
   cp kernels/configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
 fi
 
+if has dense; then
+  stamp dense
+  (cd benchmarks && timeout "${DENSE_TIMEOUT:-300}" python3 tune_dense.py --merge \
+      --out ../kernels/configs/NVIDIA_H200.json --tokens ${DENSE_TOKENS:-32 16 64} \
+      --budget-s "${DENSE_BUDGET:-200}" --json "$OUT/dense.json" --md "$OUT/dense.md") \
+      > "$OUT/dense.log" 2>&1
+  echo "dense rc=$?" >> "$OUT/dense.log"
+  cp kernels/configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+fi
+
 if has tests; then
   stamp tests
   # The gpu-marked tests, and the fused-kernel tests that run compiled on a GPU.
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q ${TEST_FILES:-tests/test_engine_gpu.py \
-      tests/test_kernels_gpu.py tests/test_paged_attention_gpu.py \
+      tests/test_kernels_gpu.py tests/test_dense_gemm_gpu.py tests/test_paged_attention_gpu.py \
       tests/test_fused_norm_rope.py} > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?" >> "$OUT/gpu_tests.log"
 fi
@@ -87,6 +99,16 @@ if has decode32; then
       --max-num-seqs 32 --input-len 64 --output-len 512 \
       --json "$OUT/decode32.json" > "$OUT/decode32.log" 2>&1
   echo "decode32 rc=$?" >> "$OUT/decode32.log"
+  # The same run without parts of this path (DECODE_VARIANTS): "nopdl" launches every
+  # kernel plainly, "cublas" also puts every linear layer on cuBLAS.
+  for variant in ${DECODE_VARIANTS:-}; do
+    env LORASERVE_PDL=0 $([ "$variant" = cublas ] && echo LORASERVE_DECODE_GEMM=cublas) \
+        timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/offline.py \
+        --model $MODEL --load-format dummy --num-requests 32 \
+        --max-num-seqs 32 --input-len 64 --output-len 512 \
+        --json "$OUT/decode32_$variant.json" > "$OUT/decode32_$variant.log" 2>&1
+    echo "decode32 $variant rc=$?" >> "$OUT/decode32_$variant.log"
+  done
   if [ "${PEFT:-1}" = 1 ]; then
     (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 peft_baseline.py --model $MODEL \
         --num-requests 32 --batch-size 32 --input-len 64 --output-len 512 --no-lora \

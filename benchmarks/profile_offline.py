@@ -30,7 +30,7 @@ KINDS = (
     ("silu+lora", ("_silu_and_mul_lora",)),
     ("lora metadata", ("sort", "searchsorted", "bitonic", "radix")),
     ("attention", ("attention", "attn")),
-    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "splitk", "splitK")),
+    ("gemm", ("_dense_kernel", "gemm", "nvjet", "xmma", "cutlass", "sm90_", "splitk", "splitK")),
 )
 
 

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_begin, pdl_launch
+
 _BLOCK = 1024
 
 
@@ -18,7 +20,9 @@ _BLOCK = 1024
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_out, width,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -38,5 +42,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_tokens:
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, _BLOCK))](
             gate_up, out, gate_up.stride(0), out.stride(0), width, BLOCK=_BLOCK,
+            PDL=pdl_launch(out.device), launch_pdl=pdl_launch(out.device),
         )
     return out

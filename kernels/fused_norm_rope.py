@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_begin, pdl_launch
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -23,7 +25,9 @@ def _rms_norm_kernel(
     stride_x, stride_res, stride_out,
     n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -57,8 +61,8 @@ def rms_norm(
         x, residual if residual is not None else x, out, weight,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         x.shape[1], eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=4 if block <= 2048 else 8,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl_launch(x.device),
+        num_warps=4 if block <= 2048 else 8, launch_pdl=pdl_launch(x.device),
     )
     return out
 
@@ -69,7 +73,9 @@ def _rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos,
     num_q_heads, num_k_heads,
     HALF: tl.constexpr, HALF_P2: tl.constexpr, HEADS_P2: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     token = tl.program_id(0)
     pos = tl.load(pos_ptr + token)
     d = tl.arange(0, HALF_P2)
@@ -119,4 +125,5 @@ def rotary_embedding_(
         num_q_heads, k.shape[1],
         HALF=half, HALF_P2=triton.next_power_of_2(half),
         HEADS_P2=triton.next_power_of_2(max(num_q_heads, k.shape[1])),
+        PDL=pdl_launch(q.device), launch_pdl=pdl_launch(q.device),
     )

@@ -1,4 +1,5 @@
-"""Launch configurations for the LoRA shrink/expand kernels.
+"""Launch configurations of our Triton GEMMs: the LoRA shrink, expand and fused
+activation, and the dense decode GEMM (dense_gemm).
 
 A config is a small dict of block sizes, split-K factor, warps and stages. The
 lookup order is:
@@ -27,9 +28,9 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 # T buckets the tuner measures; a lookup snaps T to the nearest bucket (log scale).
 T_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 8192, 16384)
 MAX_SPLIT_K = 64
-# Sections of a tuned table: the shrink, the expand, and the gate/up expand fused
-# into SiLU-and-multiply (lora_activation).
-TABLE_KINDS = ("shrink", "expand", "silu")
+# Sections of a tuned table: the shrink, the expand, the gate/up expand fused
+# into SiLU-and-multiply (lora_activation), and the decode GEMM (dense_gemm).
+TABLE_KINDS = ("shrink", "expand", "silu", "dense")
 
 
 def next_pow2(n: int) -> int:
@@ -97,7 +98,7 @@ def _tuned_table() -> dict[str, dict[str, dict[str, int]]]:
 
 def reload_tuned_table() -> None:
     """Forget the cached JSON and lookups (after writing a new file)."""
-    for f in (_tuned_table, _num_sms, shrink_config, expand_config, silu_config):
+    for f in (_tuned_table, _num_sms, shrink_config, expand_config, silu_config, dense_config):
         f.cache_clear()
 
 
@@ -193,6 +194,36 @@ def silu_config(num_tokens: int, width: int, rank: int) -> dict[str, Any]:
     expand's config (its tiles are the expand's, two slices a block)."""
     cfg = dict(expand_config(num_tokens, 2 * width, rank))
     tuned = _lookup(_tuned_table().get("silu", {}), silu_key(num_tokens, width, rank))
+    if tuned:
+        cfg.update(tuned)
+    return cfg
+
+
+def default_dense_config(num_tokens: int, n: int, k: int) -> dict[str, Any]:
+    """Enough (column tile, K split) programs for two waves of SMs."""
+    block_n, block_k = 64, 128
+    tiles = -(-n // block_n)
+    split = 1
+    while split < 16 and tiles * split < 2 * _num_sms() and k // (2 * split) >= block_k:
+        split *= 2
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4,
+            "num_stages": 4}
+
+
+def dense_key(num_tokens: int, n: int, k: int) -> str:
+    return f"T{token_block(num_tokens)}_N{n}_K{k}"
+
+
+def token_block(num_tokens: int) -> int:
+    # tl.dot needs every dimension >= 16.
+    return max(16, next_pow2(num_tokens))
+
+
+# Lookups are cached: they run on every eager call.
+@lru_cache(maxsize=1024)
+def dense_config(num_tokens: int, n: int, k: int) -> dict[str, Any]:
+    cfg = default_dense_config(num_tokens, n, k)
+    tuned = _lookup(_tuned_table().get("dense", {}), dense_key(num_tokens, n, k))
     if tuned:
         cfg.update(tuned)
     return cfg

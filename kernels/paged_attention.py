@@ -61,6 +61,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_begin, pdl_launch
+
 # Split-KV partials are kept for at most this many (token, split) pairs, which
 # bounds the workspace; batches that big fill the GPU without splitting anyway.
 MAX_SPLIT_ROWS = 512
@@ -92,7 +94,9 @@ def _write_kv_kernel(
     HEADS_P2: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     # Padding tokens (slot -1) store nothing; clamp so no address is negative.
@@ -220,7 +224,9 @@ def _attn_kernel(
     EVEN_D: tl.constexpr,
     IEEE: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -288,21 +294,30 @@ def _attn_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], dtype=tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     kv_off = kvh * stride_ch
-    acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, q_pos, kv_lo, f_lo, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
-        qk_scale, window, stride_cb, stride_cs,
-        BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
-    )  # fmt: skip
-    acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, q_pos, f_lo, f_end, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
-        qk_scale, window, stride_cb, stride_cs,
-        BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, EVEN_D, IEEE,
-    )  # fmt: skip
-    acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, q_pos, f_end, kv_hi, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
-        qk_scale, window, stride_cb, stride_cs,
-        BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
-    )  # fmt: skip
+    if ONE_TILE_PER_SEQ:
+        # Decode: a few key tiles per program, so the loads of one loop's first
+        # tile are exposed latency. One masked loop pays that once, not three times.
+        acc, m_i, l_i = _attend(
+            acc, m_i, l_i, q, q_pos, kv_lo, kv_hi, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
+            qk_scale, window, stride_cb, stride_cs,
+            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
+        )  # fmt: skip
+    else:
+        acc, m_i, l_i = _attend(
+            acc, m_i, l_i, q, q_pos, kv_lo, f_lo, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
+            qk_scale, window, stride_cb, stride_cs,
+            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend(
+            acc, m_i, l_i, q, q_pos, f_lo, f_end, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
+            qk_scale, window, stride_cb, stride_cs,
+            BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, EVEN_D, IEEE,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend(
+            acc, m_i, l_i, q, q_pos, f_end, kv_hi, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
+            qk_scale, window, stride_cb, stride_cs,
+            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
+        )  # fmt: skip
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -335,7 +350,9 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
     SPLITS_P2: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
@@ -475,6 +492,8 @@ def write_kv_cache(
         HEADS_P2=_next_pow2(num_kv_heads),
         HEAD_DIM_P2=_next_pow2(head_dim),
         BLOCK_SIZE=block_size,
+        PDL=pdl_launch(k.device),
+        launch_pdl=pdl_launch(k.device),
     )
 
 
@@ -578,8 +597,10 @@ def paged_attention(
         EVEN_D=head_dim == max(16, _next_pow2(head_dim)),
         IEEE=q.dtype == torch.float32,
         SEARCH_BLOCK=_SEARCH_BLOCK,
+        PDL=pdl_launch(q.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=pdl_launch(q.device),
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
@@ -598,5 +619,7 @@ def paged_attention(
             HEAD_DIM=head_dim,
             HEAD_DIM_P2=_next_pow2(head_dim),
             SPLITS_P2=_next_pow2(num_splits),
+            PDL=pdl_launch(q.device),
+            launch_pdl=pdl_launch(q.device),
         )
     return out

@@ -65,3 +65,48 @@ def test_shrink_loads_are_vectorized_and_pipelined_on_sm90():
     for name, c in counts.items():
         assert c["b16_loads"] == 0, f"{name}: {c['b16_loads']} 2-byte global loads"
         assert c["async_copies"] > 0, f"{name}: its K loop is not pipelined (no cp.async)"
+
+
+# The decode GEMM with PDL, on the Llama-3-8B o_proj shape with split-K.
+DENSE_SCRIPT = r"""
+import json, re
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from loraserve.kernels import dense_gemm
+
+fn = dense_gemm._dense_kernel
+names = fn.arg_names
+ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16",
+        "ws_ptr": "*fp32", "lock_ptr": "*i32"}
+aligned = {"N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym"}
+consts = dict(HAS_BIAS=False, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, EVEN_K=True,
+              EVEN_N=True, PRECISION="tf32", PDL=True, PREFETCH_K=512)
+sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
+src = ASTSource(fn=fn, signature=sig,
+                constexprs={(names.index(n),): v for n, v in consts.items()},
+                attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                       if n in ptrs or n in aligned})
+ptx = compile(src, target=GPUTarget("cuda", 90, 32),
+              options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
+before_wait, _, after_wait = ptx.partition("griddepcontrol.wait")
+print(json.dumps({
+    "b16_loads": len(re.findall(r"ld\.global(\.[a-z]+)*\.b16", ptx)),
+    "async_copies": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", after_wait)),
+    "launch_dependents": before_wait.count("griddepcontrol.launch_dependents"),
+    "prefetches_before_wait": before_wait.count("prefetch.global.L2"),
+    "loads_before_wait": len(re.findall(r"ld\.global|cp\.async", before_wait)),
+    "stores_before_wait": len(re.findall(r"st\.global|atom\.", before_wait)),
+}))
+"""
+
+
+def test_decode_gemm_prefetches_weights_before_the_pdl_wait_and_nothing_else():
+    compiled = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", DENSE_SCRIPT], capture_output=True, text=True,
+                         env=compiled, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    c = json.loads(run.stdout.strip().splitlines()[-1])
+    assert c["b16_loads"] == 0 and c["async_copies"] > 0, c
+    assert c["launch_dependents"] == 1 and c["prefetches_before_wait"] > 0, c
+    # Reads of x and every write wait for the previous kernel.
+    assert c["loads_before_wait"] == 0 and c["stores_before_wait"] == 0, c

@@ -1,0 +1,201 @@
+"""y = x @ W.T (+ bias) for the few-token batches of decode (Triton).
+
+A decode step reads every weight of the model once for a handful of tokens, so
+a linear layer there is a stream of weight bytes and its speed is how many of
+them every SM keeps in flight. cuBLAS splits K for the narrow layers and sums
+the partials in a second kernel (0.13 ms a step at batch 32 on the Llama-3-8B
+shape, benchmarks/RESULTS.md); here the last K split of a column tile to finish
+sums them, in the same launch.
+
+API
+---
+``dense_linear(x, weight, bias=None)``: x [M, K], weight [N, K] (nn.Linear's
+layout), bias [N] or None -> [M, N] in x's dtype. For M up to ``MAX_TOKENS``;
+``use_kernel(M, N, K)`` says whether it beats cuBLAS there (tuned table).
+
+How it runs
+-----------
+A program owns BLOCK_N output columns and one of SPLIT_K ranges of K. It
+computes the [BLOCK_N, BLOCK_M] tile W @ x.T, so the wide weight tile is the
+dot's first operand and the few tokens (BLOCK_M >= 16, padded) its second.
+With SPLIT_K > 1 every split writes its fp32 partial to a workspace and adds 1
+to its column tile's counter; the split that brings the counter to SPLIT_K sums
+the partials in split order (the result does not depend on who finished last),
+writes y and puts the counter back to 0 for the next call or graph replay.
+
+CUDA graphs: the counters live in one zeroed buffer per device, made on the
+first call (the eager warm-up before a capture); the workspace comes from the
+caching allocator, so from the graph's pool when captured. Launches that share
+the buffer must run one after another, on one stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from .lora_config import dense_config, token_block
+from .pdl import gdc_launch_dependents, gdc_wait, pdl_launch
+
+# Above this many tokens a step is no longer a pure weight stream: cuBLAS.
+MAX_TOKENS = 64
+# With PDL, the columns of each weight row a program prefetches into L2 before
+# the previous kernel ends: a few pipeline stages' worth, and across the
+# programs of one wave well within the 50 MB L2.
+PREFETCH_COLUMNS = 512
+# Counters for this many column tiles (N / BLOCK_N of any split launch).
+_MAX_LOCKS = 8192
+_locks: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit
+def _dense_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    ws_ptr,
+    lock_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    # k_per_split is a whole number of K blocks, so every split starts aligned.
+    k_lo = tl.multiple_of(split * k_per_split, BLOCK_K)
+    if PDL:
+        gdc_launch_dependents()
+        # The weights are no kernel's output: start pulling the first PREFETCH_K
+        # columns of this program's rows into L2 while the previous kernel
+        # finishes, one prefetch per 128-byte line.
+        line: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
+        cols = k_lo + tl.arange(0, PREFETCH_K // line) * line
+        pf_ok = n_ok[:, None] & (cols < K)[None, :]
+        pf_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+            [tl.where(pf_ok, pf_ptrs, w_ptr)], dtype=tl.int32, is_pure=False, pack=1,
+        )
+        gdc_wait()
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k_lo + offs_k)[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(0, k_per_split, BLOCK_K):
+        if EVEN_K:
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+        else:
+            k_ok = (k_lo + k + offs_k) < K
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    y_mask = n_ok[:, None] & m_ok[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        # Workspace [SPLIT_K, column tiles, BLOCK_N, BLOCK_M], fp32.
+        tile = BLOCK_N * BLOCK_M
+        offs_tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
+        n_tiles = tl.num_programs(0)
+        tl.store(ws_ptr + (split * n_tiles + pid_n) * tile + offs_tile, acc)
+        # The barrier puts every thread's stores before the counter's release.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for sp in tl.static_range(SPLIT_K):
+                # .cg: read L2, never a stale L1 line.
+                total += tl.load(
+                    ws_ptr + (sp * n_tiles + pid_n) * tile + offs_tile, cache_modifier=".cg"
+                )
+            if HAS_BIAS:
+                total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+def use_kernel(num_tokens: int, n: int, k: int) -> bool:
+    """Whether y = x @ W.T of these sizes should run here rather than on cuBLAS:
+    at most MAX_TOKENS tokens, and no tuned table entry that says cuBLAS wins."""
+    return num_tokens <= MAX_TOKENS and not dense_config(num_tokens, n, k).get("CUBLAS")
+
+
+def _lock_buffer(device: torch.device) -> torch.Tensor:
+    locks = _locks.get(device)
+    if locks is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("dense_linear: call it once outside graph capture first")
+        locks = _locks[device] = torch.zeros(_MAX_LOCKS, dtype=torch.int32, device=device)
+    return locks
+
+
+def dense_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """x @ weight.T (+ bias); ``config`` overrides the tuned/default one (tuning, tests)."""
+    num_tokens, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    assert num_tokens <= MAX_TOKENS, f"{num_tokens} tokens: use a GEMM made for them"
+    y = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return y
+    cfg = config or dense_config(num_tokens, n, k)
+    block_m, block_n, block_k = token_block(num_tokens), cfg["BLOCK_N"], cfg["BLOCK_K"]
+    split = cfg["SPLIT_K"]
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    n_tiles = triton.cdiv(n, block_n)
+    pdl = pdl_launch(x.device)
+    if split > 1:
+        assert n_tiles <= _MAX_LOCKS
+        ws = torch.empty(split * n_tiles * block_n * block_m, dtype=torch.float32,
+                         device=x.device)
+        locks = _lock_buffer(x.device)
+    else:
+        ws = locks = y  # unused
+    _dense_kernel[(n_tiles, split)](
+        x, weight, bias if bias is not None else y, y, ws, locks,
+        num_tokens, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT_K=split, EVEN_K=k % (split * block_k) == 0,
+        EVEN_N=n % block_n == 0,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PDL=pdl, PREFETCH_K=max(64, min(PREFETCH_COLUMNS, triton.next_power_of_2(k_per_split))),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
+    )
+    return y

@@ -1,0 +1,51 @@
+"""Programmatic dependent launch (PDL) for the kernels of a decode step.
+
+A decode step on the 8B shape is ~450 short kernels, one after another. Each
+normally starts only when the one before has finished and its memory is
+flushed: its launch and ramp-up (a few µs, measured on the weight GEMMs,
+benchmarks/RESULTS.md) are paid with the GPU idle. On Hopper and later a kernel
+launched with PDL may start while the one before it runs: it first lets its own
+successor launch (``gdc_launch_dependents``), may do work that reads nothing
+the kernels before it write (the decode GEMM prefetches its weights), and then
+waits (``gdc_wait``) until the previous kernel has finished and its writes are
+visible. Every write and every read of an activation comes after that wait.
+
+``pdl_launch(device)`` says whether to launch a kernel this way; pass it as the
+kernel's PDL constexpr and as ``launch_pdl``. ``LORASERVE_PDL=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - a Triton without grid dependency control
+    gdc_launch_dependents = gdc_wait = None
+
+
+@functools.lru_cache(maxsize=8)
+def _device_supports(device: torch.device) -> bool:
+    return (
+        gdc_wait is not None
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] >= 9
+        and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    )
+
+
+def pdl_launch(device: torch.device) -> bool:
+    return os.environ.get("LORASERVE_PDL", "1") != "0" and _device_supports(device)
+
+
+@triton.jit
+def pdl_begin(PDL: tl.constexpr):
+    """Let the next kernel launch, then wait for the previous one (PDL only)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()

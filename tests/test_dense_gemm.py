@@ -1,0 +1,79 @@
+"""CPU tests of the decode GEMM (loraserve.kernels.dense_gemm) under TRITON_INTERPRET=1.
+GPU tests: test_dense_gemm_gpu.py."""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+# Set before the kernel is decorated (see test_kernels.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from loraserve.kernels import dense_gemm  # noqa: E402
+
+if not torch.cuda.is_available() and type(dense_gemm._dense_kernel).__name__ != (
+    "InterpretedFunction"
+):
+    dense_gemm = importlib.reload(dense_gemm)
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU interpreter tests; the GPU has test_dense_gemm_gpu.py"
+)
+
+
+def make(m, n, k, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    b = torch.randn(n, generator=g) if bias else None
+    return x, w, b
+
+
+def config(block_n, block_k, split):
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4,
+            "num_stages": 2}
+
+
+@pytest.mark.parametrize(
+    "m,n,k,block_n,block_k,split,bias",
+    [
+        (1, 64, 256, 32, 64, 1, False),  # even N and K, one split
+        (5, 100, 200, 32, 64, 4, True),  # ragged N and K, split-K, bias
+        (16, 128, 512, 64, 128, 2, False),  # split-K, even
+        (20, 96, 384, 32, 64, 8, True),  # more splits than the heuristic would pick
+        (33, 48, 64, 32, 64, 4, False),  # K shorter than the splits: empty splits
+    ],
+)
+def test_matches_torch_fp32(m, n, k, block_n, block_k, split, bias):
+    x, w, b = make(m, n, k, bias)
+    y = dense_gemm.dense_linear(x, w, b, config=config(block_n, block_k, split))
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_split_k_is_deterministic_and_puts_its_counters_back():
+    x, w, b = make(7, 96, 512, bias=True, seed=1)
+    cfg = config(32, 64, 4)
+    first = dense_gemm.dense_linear(x, w, b, config=cfg)
+    second = dense_gemm.dense_linear(x, w, b, config=cfg)
+    assert torch.equal(first, second)
+    assert int(dense_gemm._lock_buffer(x.device).abs().sum()) == 0
+
+
+def test_default_config_with_strided_rows():
+    # Rows of x further apart than K (a view of a wider tensor).
+    wide = torch.randn(6, 300)
+    x = wide[:, :256]
+    w = torch.randn(80, 256) / 16
+    y = dense_gemm.dense_linear(x, w)
+    torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_more_tokens_than_the_kernel_is_for_are_refused():
+    x, w, _ = make(dense_gemm.MAX_TOKENS + 1, 32, 64, bias=False)
+    with pytest.raises(AssertionError, match="tokens"):
+        dense_gemm.dense_linear(x, w)
