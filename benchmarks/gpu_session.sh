@@ -157,8 +157,9 @@ if has serve; then
   for _ in $(seq 300); do
     curl -sf http://127.0.0.1:8011/v1/models > /dev/null && break; sleep 1
   done
-  bench() {  # name, then serve.py arguments
+  bench() {  # name, then serve.py arguments; SERVE_BENCHES picks some of the names
     local name=$1; shift
+    [ -n "${SERVE_BENCHES:-}" ] && [[ " $SERVE_BENCHES " != *" $name "* ]] && return
     stamp "serve $name"
     timeout 120 python3 benchmarks/serve.py http://127.0.0.1:8011 --input-len 512 \
         --output-len 128 --json "$OUT/serve_$name.json" "$@" > "$OUT/serve_$name.log" 2>&1
