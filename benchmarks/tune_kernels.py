@@ -40,6 +40,8 @@ SHRINK_CLASSES = {
 TOKENS = [1, 16, 64, 256, 1024, 4096]
 RANKS = [16, 64]
 NUM_SLOTS = 32
+# The table sections this script tunes (the dense one is tune_dense.py's).
+LORA_KINDS = ["shrink", "expand", "silu"]
 CALLS = 4
 
 SHRINK_SPACE = {
@@ -181,8 +183,7 @@ def main() -> int:
                    default=list(SHRINK_CLASSES))
     p.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
     p.add_argument("--ranks", nargs="+", type=int, default=RANKS)
-    p.add_argument("--kinds", nargs="+", choices=list(lc.TABLE_KINDS),
-                   default=list(lc.TABLE_KINDS),
+    p.add_argument("--kinds", nargs="+", choices=LORA_KINDS, default=LORA_KINDS,
                    help="what to tune (an untuned shrink stays at the config in use)")
     p.add_argument("--merge", action="store_true",
                    help="keep the entries already in --out that this run does not tune")
