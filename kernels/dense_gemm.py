@@ -22,6 +22,8 @@ With SPLIT_K > 1 every split writes its fp32 partial to a workspace and adds 1
 to its column tile's counter; the split that brings the counter to SPLIT_K sums
 the partials in split order (the result does not depend on who finished last),
 writes y and puts the counter back to 0 for the next call or graph replay.
+With PDL (kernels/pdl.py) a program first prefetches the start of its weight
+rows into L2, then waits for the previous kernel.
 
 CUDA graphs: the counters live in one zeroed buffer per device, made on the
 first call (the eager warm-up before a capture); the workspace comes from the
@@ -37,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lora_config import dense_config, token_block
+from .lora_config import dense_config, dense_tuned, has_dense_table, token_block
 from .pdl import gdc_launch_dependents, gdc_wait, pdl_launch
 
 # Above this many tokens a step is no longer a pure weight stream: cuBLAS.
@@ -148,8 +150,13 @@ def _dense_kernel(
 
 def use_kernel(num_tokens: int, n: int, k: int) -> bool:
     """Whether y = x @ W.T of these sizes should run here rather than on cuBLAS:
-    at most MAX_TOKENS tokens, and no tuned table entry that says cuBLAS wins."""
-    return num_tokens <= MAX_TOKENS and not dense_config(num_tokens, n, k).get("CUBLAS")
+    at most MAX_TOKENS tokens, on a GPU whose table has a decode GEMM section
+    (untuned GPUs keep cuBLAS), unless its entry for these sizes says cuBLAS won.
+    Sizes the table lacks run the default config."""
+    if num_tokens > MAX_TOKENS or not has_dense_table():
+        return False
+    tuned = dense_tuned(num_tokens, n, k)
+    return not (tuned and tuned.get("CUBLAS"))
 
 
 def _lock_buffer(device: torch.device) -> torch.Tensor:

@@ -98,7 +98,8 @@ def _tuned_table() -> dict[str, dict[str, dict[str, int]]]:
 
 def reload_tuned_table() -> None:
     """Forget the cached JSON and lookups (after writing a new file)."""
-    for f in (_tuned_table, _num_sms, shrink_config, expand_config, silu_config, dense_config):
+    for f in (_tuned_table, _num_sms, shrink_config, expand_config, silu_config, dense_tuned,
+              dense_config):
         f.cache_clear()
 
 
@@ -219,11 +220,22 @@ def token_block(num_tokens: int) -> int:
     return max(16, next_pow2(num_tokens))
 
 
+def has_dense_table() -> bool:
+    return bool(_tuned_table().get("dense"))
+
+
 # Lookups are cached: they run on every eager call.
+@lru_cache(maxsize=1024)
+def dense_tuned(num_tokens: int, n: int, k: int) -> dict[str, Any] | None:
+    """The tuned table's entry for this shape class: a config, {"CUBLAS": 1} where
+    cuBLAS won, or None (not tuned on this GPU)."""
+    return _lookup(_tuned_table().get("dense", {}), dense_key(num_tokens, n, k))
+
+
 @lru_cache(maxsize=1024)
 def dense_config(num_tokens: int, n: int, k: int) -> dict[str, Any]:
     cfg = default_dense_config(num_tokens, n, k)
-    tuned = _lookup(_tuned_table().get("dense", {}), dense_key(num_tokens, n, k))
-    if tuned:
+    tuned = dense_tuned(num_tokens, n, k)
+    if tuned and not tuned.get("CUBLAS"):
         cfg.update(tuned)
     return cfg

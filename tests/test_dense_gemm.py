@@ -2,6 +2,7 @@
 GPU tests: test_dense_gemm_gpu.py."""
 
 import importlib
+import json
 import os
 
 import pytest
@@ -77,3 +78,47 @@ def test_more_tokens_than_the_kernel_is_for_are_refused():
     x, w, _ = make(dense_gemm.MAX_TOKENS + 1, 32, 64, bias=False)
     with pytest.raises(AssertionError, match="tokens"):
         dense_gemm.dense_linear(x, w)
+
+
+@pytest.fixture
+def dense_table(tmp_path, monkeypatch):
+    """A tuned table with one config entry and one cuBLAS entry, read in place of
+    the GPU's own; the lookups are reloaded on the way in and out."""
+    from loraserve.kernels import lora_config
+
+    table = {"dense": {
+        "T32_N384_K512": {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "num_warps": 4,
+                          "num_stages": 2},
+        "T32_N256_K512": {"CUBLAS": 1},
+    }}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("LORASERVE_LORA_CONFIG", str(path))
+    lora_config.reload_tuned_table()
+    yield
+    monkeypatch.undo()
+    lora_config.reload_tuned_table()
+
+
+def test_the_table_decides_between_the_kernel_and_cublas(dense_table):
+    use = dense_gemm.use_kernel
+    assert use(21, 384, 512)  # tuned: T32 bucket
+    assert use(1, 384, 512)  # T16 bucket: the nearest tuned one, within a factor of 4
+    assert not use(21, 256, 512)  # cuBLAS won there
+    assert use(21, 128, 512)  # sizes the table lacks: the default config
+    assert not use(dense_gemm.MAX_TOKENS + 1, 384, 512)  # a prefill-sized batch
+    assert dense_gemm.dense_config(21, 384, 512)["BLOCK_N"] == 32
+
+
+def test_a_gpu_without_a_tuned_decode_gemm_keeps_cublas(tmp_path, monkeypatch):
+    from loraserve.kernels import lora_config
+
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"shrink": {}}))
+    monkeypatch.setenv("LORASERVE_LORA_CONFIG", str(path))
+    lora_config.reload_tuned_table()
+    try:
+        assert not dense_gemm.use_kernel(21, 384, 512)
+    finally:
+        monkeypatch.undo()
+        lora_config.reload_tuned_table()
