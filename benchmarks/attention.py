@@ -20,36 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 
 import torch
 import triton.testing
 from loraserve.kernels import paged_attention as pa
 
-from kernels import capture_graph, copy_bandwidth  # benchmarks/kernels.py
+from kernels import copy_bandwidth, median_replay_ms  # benchmarks/kernels.py
 
 HQ, HK, D, BS = 32, 8, 128, 16
 BATCHES = [1, 32, 64, 256]
 CONTEXTS = [512, 2048]
 MIN_BYTES = 512 << 20
 DTYPE = torch.bfloat16
-
-
-def time_graph(fn, reps: int = 20) -> float:
-    """Median ms of one replay of a graph that runs ``fn`` once."""
-    graph = capture_graph(fn)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def decode_setup(batch: int, ctx: int):
@@ -97,7 +80,7 @@ def bench_decode(batch: int, ctx: int, configs, splits_list) -> list[dict]:
                     )
 
             try:
-                us = time_graph(fn) * 1e3 / len(caches)
+                us = median_replay_ms(fn) * 1e3 / len(caches)
             except Exception as e:  # a tiling that does not fit: report, keep going
                 print(f"  {cfg} splits={splits}: {type(e).__name__}: {e}", file=sys.stderr)
                 continue

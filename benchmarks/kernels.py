@@ -83,6 +83,24 @@ def capture_graph(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def median_replay_ms(fn, reps: int = 20) -> float:
+    """Median ms of one replay of a graph that runs ``fn`` once, each replay timed
+    alone with events (a few replays first)."""
+    graph = capture_graph(fn)
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del graph
+    return statistics.median(times)
+
+
 def time_graph(fn, calls: int = CALLS_PER_TIMING) -> float:
     """Median µs of one call, from replays of a graph of fn, which makes `calls` calls."""
     graph = capture_graph(fn)

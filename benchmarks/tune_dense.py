@@ -22,7 +22,6 @@ import argparse
 import itertools
 import json
 import math
-import statistics
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 from loraserve.kernels import dense_gemm
 from loraserve.kernels import lora_config as lc
 
-from kernels import capture_graph, copy_bandwidth  # benchmarks/kernels.py
+from kernels import copy_bandwidth, median_replay_ms  # benchmarks/kernels.py
 
 # (name, N, K) of the Llama-3-8B shape, and how many of each a decode step runs.
 SHAPES = [
@@ -75,19 +74,8 @@ def candidates(m: int, n: int, k: int) -> list[dict]:
 
 def time_layer(fn_of_weight, weights) -> float:
     """Median µs of one layer call, from replays of a graph over every weight copy."""
-    graph = capture_graph(lambda: [fn_of_weight(w) for w in weights])
-    for _ in range(2):
-        graph.replay()
-    times = []
-    for _ in range(15):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    del graph
-    return statistics.median(times) * 1e3 / len(weights)
+    ms = median_replay_ms(lambda: [fn_of_weight(w) for w in weights], reps=15)
+    return ms * 1e3 / len(weights)
 
 
 def tune_shape(name, n, k, m, budget_end, first=None):

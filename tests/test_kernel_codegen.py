@@ -56,12 +56,17 @@ print(json.dumps(out))
 """
 
 
-def test_shrink_loads_are_vectorized_and_pipelined_on_sm90():
+def compile_report(script: str) -> dict:
+    """Run a compile script with the real compiler; its last line is a JSON report."""
     compiled = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env=compiled, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    counts = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_shrink_loads_are_vectorized_and_pipelined_on_sm90():
+    counts = compile_report(SCRIPT)
     for name, c in counts.items():
         assert c["b16_loads"] == 0, f"{name}: {c['b16_loads']} 2-byte global loads"
         assert c["async_copies"] > 0, f"{name}: its K loop is not pipelined (no cp.async)"
@@ -101,11 +106,7 @@ print(json.dumps({
 
 
 def test_decode_gemm_prefetches_weights_before_the_pdl_wait_and_nothing_else():
-    compiled = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", DENSE_SCRIPT], capture_output=True, text=True,
-                         env=compiled, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    c = json.loads(run.stdout.strip().splitlines()[-1])
+    c = compile_report(DENSE_SCRIPT)
     assert c["b16_loads"] == 0 and c["async_copies"] > 0, c
     assert c["launch_dependents"] == 1 and c["prefetches_before_wait"] > 0, c
     # Reads of x and every write wait for the previous kernel.
