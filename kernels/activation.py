@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_begin, pdl_launch
+from .pdl import pdl_args, pdl_begin
 
 _BLOCK = 1024
 
@@ -42,6 +42,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_tokens:
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, _BLOCK))](
             gate_up, out, gate_up.stride(0), out.stride(0), width, BLOCK=_BLOCK,
-            PDL=pdl_launch(out.device), launch_pdl=pdl_launch(out.device),
+            **pdl_args(out.device),
         )
     return out

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .lora_config import dense_config, dense_tuned, has_dense_table, token_block
-from .pdl import gdc_launch_dependents, gdc_wait, pdl_launch
+from .pdl import gdc_launch_dependents, gdc_wait, pdl_args
 
 # Above this many tokens a step is no longer a pure weight stream: cuBLAS.
 MAX_TOKENS = 64
@@ -187,7 +187,6 @@ def dense_linear(
     split = cfg["SPLIT_K"]
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     n_tiles = triton.cdiv(n, block_n)
-    pdl = pdl_launch(x.device)
     if split > 1:
         assert n_tiles <= _MAX_LOCKS
         ws = torch.empty(split * n_tiles * block_n * block_m, dtype=torch.float32,
@@ -202,7 +201,7 @@ def dense_linear(
         SPLIT_K=split, EVEN_K=k % (split * block_k) == 0,
         EVEN_N=n % block_n == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PDL=pdl, PREFETCH_K=max(64, min(PREFETCH_COLUMNS, triton.next_power_of_2(k_per_split))),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
+        PREFETCH_K=max(64, min(PREFETCH_COLUMNS, triton.next_power_of_2(k_per_split))),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(x.device),
     )
     return y

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_begin, pdl_launch
+from .pdl import pdl_args, pdl_begin
 
 
 @triton.jit
@@ -61,8 +61,8 @@ def rms_norm(
         x, residual if residual is not None else x, out, weight,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         x.shape[1], eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl_launch(x.device),
-        num_warps=4 if block <= 2048 else 8, launch_pdl=pdl_launch(x.device),
+        HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=4 if block <= 2048 else 8, **pdl_args(x.device),
     )
     return out
 
@@ -125,5 +125,5 @@ def rotary_embedding_(
         num_q_heads, k.shape[1],
         HALF=half, HALF_P2=triton.next_power_of_2(half),
         HEADS_P2=triton.next_power_of_2(max(num_q_heads, k.shape[1])),
-        PDL=pdl_launch(q.device), launch_pdl=pdl_launch(q.device),
+        **pdl_args(q.device),
     )

@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_begin, pdl_launch
+from .pdl import pdl_args, pdl_begin
 
 # Split-KV partials are kept for at most this many (token, split) pairs, which
 # bounds the workspace; batches that big fill the GPU without splitting anyway.
@@ -492,8 +492,7 @@ def write_kv_cache(
         HEADS_P2=_next_pow2(num_kv_heads),
         HEAD_DIM_P2=_next_pow2(head_dim),
         BLOCK_SIZE=block_size,
-        PDL=pdl_launch(k.device),
-        launch_pdl=pdl_launch(k.device),
+        **pdl_args(k.device),
     )
 
 
@@ -597,10 +596,9 @@ def paged_attention(
         EVEN_D=head_dim == max(16, _next_pow2(head_dim)),
         IEEE=q.dtype == torch.float32,
         SEARCH_BLOCK=_SEARCH_BLOCK,
-        PDL=pdl_launch(q.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        launch_pdl=pdl_launch(q.device),
+        **pdl_args(q.device),
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
@@ -619,7 +617,6 @@ def paged_attention(
             HEAD_DIM=head_dim,
             HEAD_DIM_P2=_next_pow2(head_dim),
             SPLITS_P2=_next_pow2(num_splits),
-            PDL=pdl_launch(q.device),
-            launch_pdl=pdl_launch(q.device),
+            **pdl_args(q.device),
         )
     return out

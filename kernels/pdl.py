@@ -10,8 +10,9 @@ the kernels before it write (the decode GEMM prefetches its weights), and then
 waits (``gdc_wait``) until the previous kernel has finished and its writes are
 visible. Every write and every read of an activation comes after that wait.
 
-``pdl_launch(device)`` says whether to launch a kernel this way; pass it as the
-kernel's PDL constexpr and as ``launch_pdl``. ``LORASERVE_PDL=0`` turns it off.
+``pdl_args(device)`` gives the launch arguments: the kernel's PDL constexpr and
+Triton's ``launch_pdl``, always equal (a kernel launched early that does not
+wait would race). ``LORASERVE_PDL=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ def _device_supports(device: torch.device) -> bool:
     )
 
 
-def pdl_launch(device: torch.device) -> bool:
-    return os.environ.get("LORASERVE_PDL", "1") != "0" and _device_supports(device)
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """Launch arguments of a kernel that starts with ``pdl_begin(PDL)`` (or its own
+    wait): ``kernel[grid](..., **pdl_args(device))``."""
+    on = os.environ.get("LORASERVE_PDL", "1") != "0" and _device_supports(device)
+    return {"PDL": on, "launch_pdl": on}
 
 
 @triton.jit

@@ -94,7 +94,7 @@ def test_pdl_chain_in_a_cuda_graph_equals_the_chain_without_pdl(monkeypatch):
     # PDL: a read before the previous kernel's writes land would change the output.
     from loraserve.kernels.activation import silu_and_mul
     from loraserve.kernels.fused_norm_rope import rms_norm
-    from loraserve.kernels.pdl import pdl_launch
+    from loraserve.kernels.pdl import pdl_args
 
     x, w1, _ = make(32, 4096, 4096)
     _, w2, _ = make(1, 2 * 8192, 4096, seed=1)
@@ -106,7 +106,7 @@ def test_pdl_chain_in_a_cuda_graph_equals_the_chain_without_pdl(monkeypatch):
         return dense_gemm.dense_linear(silu_and_mul(dense_gemm.dense_linear(h, w2)), w3)
 
     if torch.cuda.get_device_capability()[0] >= 9:
-        assert pdl_launch(x.device)
+        assert pdl_args(x.device)["PDL"]
     static_x = x.clone()
     chain(static_x)
     graph = torch.cuda.CUDAGraph()
