@@ -10,6 +10,8 @@
 #   tests     the gpu-marked tests (after tune: they run on the table it wrote)
 #   layer     LoRA cost per linear layer class (lora_layer.py)
 #   profile   where a batch-32 decode step's time goes (profile_decode.py)
+#   variants  a batch-32 decode step's graph replay for variants of the decode path, side by
+#             side, and its kernel timeline (decode_variants.py; VARIANTS, VARIANT_CONTEXT)
 #   decode32  base decode at batch 32 (offline.py), and the same through PEFT
 #   offprof   where the offline run's LoRA overhead goes: prefill vs decode, GPU time by
 #             kernel kind (profile_offline.py)
@@ -76,7 +78,7 @@ if has layer; then
   echo "layer rc=$?" >> "$OUT/lora_layer.log"
 fi
 
-if has profile || has decode32 || has offprof || has offline || has startup || has serve; then
+if has profile || has variants || has decode32 || has offprof || has offline || has startup || has serve; then
   stamp setup
   # The serving runs pick from 64 adapters; the offline runs use the first 32.
   python3 benchmarks/make_bench_setup.py --out /tmp/bench \
@@ -89,6 +91,14 @@ if has profile; then
   (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 profile_decode.py --model $MODEL \
       --load-format dummy --batch 32 --out "$OUT/profile") > "$OUT/profile.log" 2>&1
   echo "profile rc=$?" >> "$OUT/profile.log"
+fi
+
+if has variants; then
+  stamp variants
+  (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 decode_variants.py --model $MODEL \
+      --load-format dummy --context "${VARIANT_CONTEXT:-320}" ${VARIANTS:+--variants $VARIANTS} \
+      --json "$OUT/variants.json" --md "$OUT/variants.md") > "$OUT/variants.log" 2>&1
+  echo "variants rc=$?" >> "$OUT/variants.log"
 fi
 
 if has decode32; then

@@ -17,6 +17,15 @@ _BLOCK = 1024
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up for gate and up in the activation dtype, rounded as torch
+    rounds `F.silu(gate) * up` (every kernel that applies the activation uses this)."""
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_out, width,
     BLOCK: tl.constexpr,
@@ -28,10 +37,7 @@ def _silu_and_mul_kernel(
     mask = cols < width
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + width + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    out = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, silu_mul(gate, up), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .activation import silu_mul
 from .lora_config import rank_block, silu_config
 from .lora_meta import LoRAMetadata
 from .lora_ops import (
@@ -106,9 +107,7 @@ def _silu_and_mul_lora_kernel(
                 )
                 gate = (gate.to(tl.float32) + d_gate).to(gate.dtype)
                 up = (up.to(tl.float32) + d_up).to(up.dtype)
-            g = gate.to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-            out = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+            out = silu_mul(gate, up)
             tl.store(out_ptr + tok[:, None] * stride_om + offs_n[None, :], out, mask=mask)
 
 

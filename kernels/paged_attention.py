@@ -55,18 +55,21 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_args, pdl_begin
+from .pdl import gdc_launch_dependents, gdc_wait, l2_prefetch, pdl_args, pdl_begin
 
 # Split-KV partials are kept for at most this many (token, split) pairs, which
 # bounds the workspace; batches that big fill the GPU without splitting anyway.
 MAX_SPLIT_ROWS = 512
 MAX_SPLITS = 32
+# Lines of the prefetched weight a program asks for at a time.
+_PREFETCH_CHUNK = 256
 # Sequences scanned per step when a tile looks up its sequence.
 _SEARCH_BLOCK = 128
 _LOG2E = 1.4426950408889634
@@ -139,6 +142,7 @@ def _attend(
     USE_WINDOW: tl.constexpr,
     EVEN_D: tl.constexpr,
     IEEE: tl.constexpr,
+    KV_EVICT: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi); unmasked ranges hold whole BLOCK_N tiles only."""
     for start in range(lo, hi, BLOCK_N):
@@ -152,8 +156,10 @@ def _attend(
         k_ptrs = kc_ptr + off[None, :] + d[:, None]
         v_ptrs = vc_ptr + off[:, None] + d[None, :]
         if MASKED:
-            k_t = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            k_t = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0,
+                          eviction_policy=KV_EVICT)
+            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0,
+                        eviction_policy=KV_EVICT)
         elif EVEN_D:
             k_t = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
@@ -194,6 +200,8 @@ def _attn_kernel(
     qsl_ptr,
     seq_lens_ptr,
     bt_ptr,
+    pf_ptr,
+    pf_lines,
     num_seqs,
     num_splits,
     qk_scale,
@@ -225,11 +233,32 @@ def _attn_kernel(
     IEEE: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PF_LINE: tl.constexpr,
+    PF_CHUNK: tl.constexpr,
+    KV_EVICT: tl.constexpr,
 ):
-    pdl_begin(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if PREFETCH:
+        # Decode attention waits on latency and leaves the DRAM mostly idle:
+        # meanwhile pull the weight the next layer reads (pf_lines 128-byte
+        # lines) into L2, each program its share. Its K/V reads then go first
+        # when L2 needs room (KV_EVICT), so the prefetched lines stay.
+        if PDL:
+            gdc_launch_dependents()
+        n_prog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        pid = (split * tl.num_programs(1) + kvh) * tl.num_programs(0) + tile
+        share = tl.cdiv(pf_lines, n_prog)
+        for c in range(0, share, PF_CHUNK):
+            line = pid * share + c + tl.arange(0, PF_CHUNK)
+            ok = (line < (pid + 1) * share) & (line < pf_lines)
+            l2_prefetch(pf_ptr + tl.where(ok, line, 0).to(tl.int64) * PF_LINE)
+        if PDL:
+            gdc_wait()
+    else:
+        pdl_begin(PDL)
 
     if ONE_TILE_PER_SEQ:
         seq = tile
@@ -300,23 +329,23 @@ def _attn_kernel(
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, kv_lo, kv_hi, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
             qk_scale, window, stride_cb, stride_cs,
-            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
+            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE, KV_EVICT,
         )  # fmt: skip
     else:
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, kv_lo, f_lo, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
             qk_scale, window, stride_cb, stride_cs,
-            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
+            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE, "",
         )  # fmt: skip
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, f_lo, f_end, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
             qk_scale, window, stride_cb, stride_cs,
-            BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, EVEN_D, IEEE,
+            BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, EVEN_D, IEEE, "",
         )  # fmt: skip
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, f_end, kv_hi, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
             qk_scale, window, stride_cb, stride_cs,
-            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
+            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE, "",
         )  # fmt: skip
 
     seen = l_i > 0.0
@@ -463,6 +492,23 @@ def make_workspace(num_q_heads: int, head_dim: int, device: torch.device | str) 
     return torch.empty(workspace_numel(num_q_heads, head_dim), dtype=torch.float32, device=device)
 
 
+def _prefetch_target(
+    prefetch: torch.Tensor | None, decode: bool, device: torch.device
+) -> torch.Tensor | None:
+    """The weight a launch prefetches, if any: decode launches on CUDA only (prefill
+    is bound by its own reads), compiled (the interpreter has no prefetch)."""
+    if (
+        prefetch is None
+        or not decode
+        or device.type != "cuda"
+        or os.environ.get("TRITON_INTERPRET", "0") == "1"
+        or os.environ.get("LORASERVE_ATTN_PREFETCH", "1") == "0"
+    ):
+        return None
+    assert prefetch.is_contiguous() and prefetch.device == device
+    return prefetch
+
+
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -509,6 +555,7 @@ def paged_attention(
     workspace: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: AttentionConfig | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of ``q`` [T, Hq, D] over the paged cache; fills ``out``.
 
@@ -518,6 +565,9 @@ def paged_attention(
     ``workspace_numel(Hq, D)`` elements, needed (for graph capture) when the
     launch splits the keys; without one a split launch allocates its own.
     ``num_splits`` and ``config`` override the defaults (tests, tuning).
+    ``prefetch``: a contiguous weight the caller reads next (the o projection);
+    a decode launch on CUDA pulls it into L2 while it attends
+    (``LORASERVE_ATTN_PREFETCH=0`` turns that off).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
@@ -556,6 +606,7 @@ def paged_attention(
     one_tile = mql <= cfg.block_q
     num_tiles = num_seqs if one_tile else num_tokens // cfg.block_q + num_seqs
     kc, vc = kv_cache[0], kv_cache[1]
+    pf = _prefetch_target(prefetch, one_tile, q.device)
     _attn_kernel[(num_tiles, num_kv_heads, num_splits)](
         q,
         kc,
@@ -566,6 +617,8 @@ def paged_attention(
         query_start_loc,
         seq_lens,
         block_tables,
+        pf if pf is not None else q,
+        0 if pf is None else pf.numel() * pf.element_size() // 128,
         num_seqs,
         num_splits,
         scale * _LOG2E,
@@ -596,6 +649,10 @@ def paged_attention(
         EVEN_D=head_dim == max(16, _next_pow2(head_dim)),
         IEEE=q.dtype == torch.float32,
         SEARCH_BLOCK=_SEARCH_BLOCK,
+        PREFETCH=pf is not None,
+        PF_LINE=128 // (pf if pf is not None else q).element_size(),
+        PF_CHUNK=_PREFETCH_CHUNK,
+        KV_EVICT="evict_first" if pf is not None else "",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_args(q.device),

@@ -10,6 +10,10 @@ the kernels before it write (the decode GEMM prefetches its weights), and then
 waits (``gdc_wait``) until the previous kernel has finished and its writes are
 visible. Every write and every read of an activation comes after that wait.
 
+``l2_prefetch(ptrs)`` pulls lines of weights into L2 before that wait: weights
+are no kernel's output, so a kernel may read them early, and a step's
+latency-bound kernels leave the DRAM idle while they wait.
+
 ``pdl_args(device)`` gives the launch arguments: the kernel's PDL constexpr and
 Triton's ``launch_pdl``, always equal (a kernel launched early that does not
 wait would race). ``LORASERVE_PDL=0`` turns it off.
@@ -53,3 +57,13 @@ def pdl_begin(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+
+
+@triton.jit
+def l2_prefetch(ptrs):
+    """Start loading the 128-byte lines at ``ptrs`` into L2; nothing waits for them.
+    Compiled CUDA only (the interpreter has no inline assembly)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+        dtype=tl.int32, is_pure=False, pack=1,
+    )

@@ -56,6 +56,24 @@ def test_matches_torch_fp32(m, n, k, block_n, block_k, split, bias):
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "m,inter,k,block_n,split,bias",
+    [
+        (3, 100, 200, 32, 1, True),  # ragged: 16 gate rows and 16 up rows a program
+        (17, 64, 512, 64, 4, False),  # split-K: both halves' partials summed
+        (8, 48, 384, 32, 8, True),  # more splits, bias on both halves
+    ],
+)
+def test_gate_up_with_silu_and_mul_in_the_epilogue(m, inter, k, block_n, split, bias):
+    x, w, b = make(m, 2 * inter, k, bias)
+    y = dense_gemm.dense_linear(x, w, b, config=config(block_n, 64, split), silu_mul=True)
+    gate_up = torch.nn.functional.linear(x.double(), w.double(),
+                                         None if b is None else b.double())
+    ref = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    assert int(dense_gemm._lock_buffer(x.device).abs().sum()) == 0
+
+
 def test_split_k_is_deterministic_and_puts_its_counters_back():
     x, w, b = make(7, 96, 512, bias=True, seed=1)
     cfg = config(32, 64, 4)

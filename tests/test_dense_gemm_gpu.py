@@ -70,6 +70,35 @@ def test_in_a_cuda_graph_replays_equal_eager_and_counters_return_to_zero():
     assert int(dense_gemm._lock_buffer(x.device).abs().sum()) == 0
 
 
+@pytest.mark.parametrize("m", [1, 32, 64])
+@pytest.mark.parametrize("split", [1, 4])
+def test_gate_up_with_silu_and_mul_in_the_epilogue(m, split):
+    from loraserve.kernels.activation import silu_and_mul
+
+    x, w, b = make(m, 2 * 14336, 4096, bias=True)
+    cfg = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": split, "num_warps": 4, "num_stages": 4}
+    fused = dense_gemm.dense_linear(x, w, b, config=cfg, silu_mul=True)
+    # The same GEMM unfused, then the activation kernel: each half rounded first.
+    assert_close_bf16(fused, silu_and_mul(dense_gemm.dense_linear(x, w, b, config=cfg)))
+    gate_up = reference(x, w, b).float()
+    ref = F.silu(gate_up[:, :14336]).to(x.dtype).float() * gate_up[:, 14336:]
+    assert_close_bf16(fused, ref.to(x.dtype))
+    # The tuned (merged layer's) config, as the MLP runs it.
+    assert_close_bf16(dense_gemm.dense_linear(x, w, b, silu_mul=True), ref.to(x.dtype))
+
+
+def test_linear_silu_and_mul_fuses_decode_batches_only(monkeypatch):
+    from loraserve.kernels.activation import silu_and_mul
+
+    layer = Linear(512, 2 * 384, device="cuda", dtype=torch.bfloat16)
+    for tokens in (5, dense_gemm.MAX_TOKENS + 1):
+        x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
+        want = silu_and_mul(F.linear(x, layer.weight))
+        assert_close_bf16(layer.silu_and_mul(x), want)
+    monkeypatch.setenv("LORASERVE_FUSE_SILU", "0")
+    assert not dense_gemm.use_fused_silu_and_mul(5)
+
+
 def test_linear_runs_decode_batches_on_the_kernel_and_others_on_cublas(monkeypatch):
     layer = Linear(512, 384, bias=True, device="cuda", dtype=torch.bfloat16)
     calls = []

@@ -72,42 +72,66 @@ def test_shrink_loads_are_vectorized_and_pipelined_on_sm90():
         assert c["async_copies"] > 0, f"{name}: its K loop is not pipelined (no cp.async)"
 
 
-# The decode GEMM with PDL, on the Llama-3-8B o_proj shape with split-K.
+# The decode GEMM with PDL, on the Llama-3-8B o_proj shape with split-K, plain and
+# with SiLU-and-mul in its epilogue (gate/up); and decode attention prefetching
+# the o_proj weight.
 DENSE_SCRIPT = r"""
 import json, re
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from loraserve.kernels import dense_gemm
+from loraserve.kernels import dense_gemm, paged_attention
 
-fn = dense_gemm._dense_kernel
-names = fn.arg_names
-ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16",
-        "ws_ptr": "*fp32", "lock_ptr": "*i32"}
-aligned = {"N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym"}
-consts = dict(HAS_BIAS=False, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, EVEN_K=True,
-              EVEN_N=True, PRECISION="tf32", PDL=True, PREFETCH_K=512)
-sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
-src = ASTSource(fn=fn, signature=sig,
-                constexprs={(names.index(n),): v for n, v in consts.items()},
-                attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                       if n in ptrs or n in aligned})
-ptx = compile(src, target=GPUTarget("cuda", 90, 32),
-              options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
-before_wait, _, after_wait = ptx.partition("griddepcontrol.wait")
-print(json.dumps({
-    "b16_loads": len(re.findall(r"ld\.global(\.[a-z]+)*\.b16", ptx)),
-    "async_copies": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", after_wait)),
-    "launch_dependents": before_wait.count("griddepcontrol.launch_dependents"),
-    "prefetches_before_wait": before_wait.count("prefetch.global.L2"),
-    "loads_before_wait": len(re.findall(r"ld\.global|cp\.async", before_wait)),
-    "stores_before_wait": len(re.findall(r"st\.global|atom\.", before_wait)),
-}))
+
+def report(fn, ptrs, aligned, consts, floats=()):
+    names = fn.arg_names
+    sig = {n: ptrs.get(n, "constexpr" if n in consts else "fp32" if n in floats else "i32")
+           for n in names}
+    src = ASTSource(fn=fn, signature=sig,
+                    constexprs={(names.index(n),): v for n, v in consts.items()},
+                    attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                           if n in ptrs or n in aligned})
+    ptx = compile(src, target=GPUTarget("cuda", 90, 32),
+                  options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
+    before_wait, _, after_wait = ptx.partition("griddepcontrol.wait")
+    return {
+        "b16_loads": len(re.findall(r"ld\.global(\.[a-z]+)*\.b16", ptx)),
+        "async_copies": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", after_wait)),
+        "launch_dependents": before_wait.count("griddepcontrol.launch_dependents"),
+        "prefetches_before_wait": before_wait.count("prefetch.global.L2"),
+        "loads_before_wait": len(re.findall(r"ld\.global|cp\.async", before_wait)),
+        "stores_before_wait": len(re.findall(r"st\.global|atom\.", before_wait)),
+    }
+
+
+out = {}
+for silu in (False, True):
+    out[f"dense_silu_{silu}"] = report(
+        dense_gemm._dense_kernel,
+        {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16",
+         "ws_ptr": "*fp32", "lock_ptr": "*i32"},
+        {"N", "K", "k_per_split", "pair_offset", "stride_xm", "stride_wn", "stride_ym"},
+        dict(SILU_MUL=silu, HAS_BIAS=False, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4,
+             EVEN_K=True, EVEN_N=True, PRECISION="tf32", PDL=True, PREFETCH_K=512))
+out["attention"] = report(
+    paged_attention._attn_kernel,
+    {**{n: "*bf16" for n in ("q_ptr", "kc_ptr", "vc_ptr", "out_ptr", "pf_ptr")},
+     "ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
+     "bt_ptr": "*i32"},
+    {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch"},
+    dict(GROUP=4, GROUP_P2=4, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, HEAD_DIM_P2=128,
+         BLOCK_SIZE=16, ONE_TILE_PER_SEQ=True, SPLIT=True, USE_WINDOW=False, EVEN_D=True,
+         IEEE=False, SEARCH_BLOCK=128, PDL=True, PREFETCH=True, PF_LINE=64, PF_CHUNK=256,
+         KV_EVICT="evict_first"),
+    floats={"qk_scale"})
+print(json.dumps(out))
 """
 
 
 def test_decode_gemm_prefetches_weights_before_the_pdl_wait_and_nothing_else():
-    c = compile_report(DENSE_SCRIPT)
-    assert c["b16_loads"] == 0 and c["async_copies"] > 0, c
-    assert c["launch_dependents"] == 1 and c["prefetches_before_wait"] > 0, c
-    # Reads of x and every write wait for the previous kernel.
-    assert c["loads_before_wait"] == 0 and c["stores_before_wait"] == 0, c
+    report = compile_report(DENSE_SCRIPT)
+    for name, c in report.items():
+        assert c["launch_dependents"] == 1 and c["prefetches_before_wait"] > 0, (name, c)
+        # Reads of activations and every write wait for the previous kernel.
+        assert c["loads_before_wait"] == 0 and c["stores_before_wait"] == 0, (name, c)
+        if name.startswith("dense"):
+            assert c["b16_loads"] == 0 and c["async_copies"] > 0, (name, c)

@@ -99,6 +99,10 @@ class PunicaWrapper:
     ) -> torch.Tensor:
         """silu(gate) * up of a merged gate/up projection base(x) (CUDA), the LoRA
         update added first; with the kernels, inside the activation's one pass."""
+        base_fused = getattr(base, "silu_and_mul", None)
+        if not self.any_lora and base_fused is not None:
+            # No adapter in the batch: the base layer's own fused path.
+            return base_fused(x)
         # The expand goes into the activation: never the one-launch op.
         gate_up, ws = self._project(base, x, lora_a, lora_b, allow_one_launch=False)
         if ws is None:

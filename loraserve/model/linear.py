@@ -29,11 +29,30 @@ class Linear(nn.Linear):
         self.decode_gemm = _triton_enabled()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.decode_gemm and x.is_cuda and x.dtype in _TRITON_DTYPES:
+        flat = self._decode_rows(x)
+        if flat is not None:
             from loraserve.kernels.dense_gemm import dense_linear, use_kernel
 
-            flat = x.reshape(-1, x.shape[-1])
-            if flat.stride(-1) == 1 and use_kernel(flat.shape[0], *self.weight.shape):
+            if use_kernel(flat.shape[0], *self.weight.shape):
                 out = dense_linear(flat, self.weight, self.bias)
                 return out.view(*x.shape[:-1], out.shape[-1])
         return F.linear(x, self.weight, self.bias)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this merged gate/up layer's output, on CUDA; decode
+        batches in one kernel, without writing the [T, 2I] output."""
+        from loraserve.kernels.activation import silu_and_mul
+        from loraserve.kernels.dense_gemm import dense_linear, use_fused_silu_and_mul
+
+        flat = self._decode_rows(x)
+        if flat is not None and use_fused_silu_and_mul(flat.shape[0]):
+            out = dense_linear(flat, self.weight, self.bias, silu_mul=True)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        return silu_and_mul(self(x))
+
+    def _decode_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x as [T, K] rows when our decode GEMM may take it, else None."""
+        if not (self.decode_gemm and x.is_cuda and x.dtype in _TRITON_DTYPES):
+            return None
+        flat = x.reshape(-1, x.shape[-1])
+        return flat if flat.stride(-1) == 1 else None

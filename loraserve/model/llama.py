@@ -79,7 +79,10 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = attn.forward(q, k, v, kv_cache, self.scale, self.sliding_window)
+        # The o projection's weight is read next: the backend may pull it into
+        # L2 while it waits on the KV cache.
+        o_weight = getattr(self.o_proj, "base_layer", self.o_proj).weight
+        out = attn.forward(q, k, v, kv_cache, self.scale, self.sliding_window, prefetch=o_weight)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -109,12 +112,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from loraserve.kernels.activation import silu_and_mul
-
-            # A LoRA layer (loraserve.lora.layers) fuses its update into the activation.
-            fused = getattr(self.gate_up_proj, "silu_and_mul", None)
-            act = fused(x) if fused is not None else silu_and_mul(self.gate_up_proj(x))
-            return self.down_proj(act)
+            # One fused step: the GEMM's epilogue at decode sizes (Linear), the
+            # activation with the LoRA update (loraserve.lora.layers).
+            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

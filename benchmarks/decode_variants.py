@@ -1,0 +1,235 @@
+"""One decode step at batch 32, timed as a CUDA graph replay, for variants of the
+decode path (switches and table entries) side by side in one process, on the
+same running batch; and where a step's time goes, kernel by kernel.
+
+    python benchmarks/decode_variants.py --model /tmp/bench/llama3-8b-shape \
+        --load-format dummy --context 320 --json out.json --md out.md
+
+The engine runs real steps until the batch's sequences hold ``--context``
+tokens. Then, per variant, its environment and table patches are applied, a
+batch-32 decode graph is captured on the engine's static inputs (that running
+batch) and replayed: the median of several timed rounds. Every variant's
+logits are compared with the first's (greedy tokens, max difference), so a
+variant that computes something else shows.
+
+The timeline: a profiler trace of replays of the first and of the ``--trace``
+variants. With PDL kernels overlap, so a kernel is charged the time from the
+end of the kernel before it to its own end (the step's critical path), summed
+by kernel name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from loraserve.kernels import dense_gemm, lora_config
+from offline import machine, make_prompts
+
+from loraserve import LLM, SamplingParams
+from loraserve.engine.output_processor import OutputProcessor
+
+BATCH = 32
+
+
+def _default_dense(key: str) -> dict:
+    # The kernel's default config for a table key T{t}_N{n}_K{k}.
+    t, n, k = (int(v) for v in re.findall(r"\d+", key))
+    return lora_config.default_dense_config(t, n, k)
+
+
+# name -> (environment, {dense table key: entry}, module attribute patches)
+VARIANTS = {
+    "default": ({}, {}, {}),
+    "no_attn_prefetch": ({"LORASERVE_ATTN_PREFETCH": "0"}, {}, {}),
+    "no_fused_silu": ({"LORASERVE_FUSE_SILU": "0"}, {}, {}),
+    "sixth_session": ({"LORASERVE_ATTN_PREFETCH": "0", "LORASERVE_FUSE_SILU": "0"}, {}, {}),
+    "qkv_ours": ({}, {"T32_N6144_K4096": "default"}, {}),
+    "gate_up_bn128": ({}, {"T32_N28672_K4096": {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1,
+                                                "num_warps": 4, "num_stages": 4}}, {}),
+    "gate_up_split2": ({}, {"T32_N28672_K4096": {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2,
+                                                 "num_warps": 4, "num_stages": 4}}, {}),
+    "prefetch_1024": ({}, {}, {"PREFETCH_COLUMNS": 1024}),
+    "prefetch_2048": ({}, {}, {"PREFETCH_COLUMNS": 2048}),
+    "no_pdl": ({"LORASERVE_PDL": "0"}, {}, {}),
+}
+
+
+@contextmanager
+def variant(env: dict, table: dict, attrs: dict):
+    saved_env = {k: os.environ.get(k) for k in env}
+    dense = lora_config._tuned_table().setdefault("dense", {})
+    saved_table = {k: dense.get(k) for k in table}
+    saved_attrs = {k: getattr(dense_gemm, k) for k in attrs}
+    os.environ.update(env)
+    for key, entry in table.items():
+        dense[key] = _default_dense(key) if entry == "default" else entry
+    for k, v in attrs.items():
+        setattr(dense_gemm, k, v)
+    lora_config.dense_tuned.cache_clear()
+    lora_config.dense_config.cache_clear()
+    try:
+        yield
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for k, v in saved_table.items():
+            if v is None:
+                dense.pop(k, None)
+            else:
+                dense[k] = v
+        for k, v in saved_attrs.items():
+            setattr(dense_gemm, k, v)
+        lora_config.dense_tuned.cache_clear()
+        lora_config.dense_config.cache_clear()
+
+
+def capture_step(graphs) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    case = graphs.cases[0]
+    graphs._forward(BATCH, case)  # compiles this variant's kernels
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=graphs.pool):
+        logits = graphs._forward(BATCH, case)
+    return graph, logits
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, rounds: int = 7, reps: int = 20) -> float:
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def short_name(name: str) -> str:
+    name = re.sub(r"<.*", "", name)
+    return name[:60]
+
+
+def timeline(graph: torch.cuda.CUDAGraph, reps: int = 3) -> dict:
+    """Critical-path time per kernel name over ``reps`` replays, µs per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, short_name(e.name))
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+    )
+    charged: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    last_end = None
+    for start, end, name in kernels:
+        if last_end is None:
+            last_end = start
+        # A gap before a kernel is charged to it too: the step waited for it.
+        charged[name] += max(0.0, end - last_end)
+        counts[name] += 1
+        last_end = max(last_end, end)
+    total = sum(charged.values())
+    return {
+        "per_step_us": total / reps,
+        "kernels": {n: {"us_per_step": charged[n] / reps, "launches_per_step": counts[n] / reps}
+                    for n in sorted(charged, key=charged.get, reverse=True)},
+    }
+
+
+def fill_batch(llm: LLM, context: int) -> None:
+    engine = llm.engine
+    vocab = llm.config.model_config.hf_config.vocab_size
+    processor = OutputProcessor(llm.tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=4 * context, ignore_eos=True)
+    prompt_len = 64
+    for i, prompt in enumerate(make_prompts(BATCH, prompt_len, vocab)):
+        for ecr in processor.add_request(str(i), None, prompt["prompt_token_ids"], params,
+                                         None, None):
+            engine.add_request(ecr)
+    for _ in range(context - prompt_len):
+        processor.process_outputs(engine.step().outputs)
+    torch.cuda.synchronize()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", required=True)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--context", type=int, default=320)
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    p.add_argument("--trace", nargs="*", default=["sixth_session"])
+    p.add_argument("--json", type=Path)
+    p.add_argument("--md", type=Path)
+    args = p.parse_args()
+
+    llm = LLM(args.model, load_format=args.load_format, max_num_seqs=BATCH)
+    fill_batch(llm, args.context)
+    graphs = llm.engine.runner.graphs
+    results = {"machine": machine(), "batch": BATCH, "context": args.context, "variants": {}}
+    first_logits = None
+    traced = {}
+    for name in args.variants:
+        env, table, attrs = VARIANTS[name]
+        with variant(env, table, attrs):
+            graph, logits = capture_step(graphs)
+            ms = replay_ms(graph)
+            out = logits.float()
+            if first_logits is None:
+                first_logits = out.clone()
+            row = {
+                "step_ms": ms,
+                "tok_per_s": BATCH / ms * 1e3,
+                "same_greedy_tokens": int((out.argmax(-1) == first_logits.argmax(-1)).sum()),
+                "max_abs_logit_diff": float((out - first_logits).abs().max()),
+            }
+            if name == args.variants[0] or name in args.trace:
+                traced[name] = timeline(graph)
+            del graph
+        results["variants"][name] = row
+        print(name, json.dumps(row), flush=True)
+    results["timelines"] = traced
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    if args.md:
+        args.md.write_text(to_markdown(results))
+    print(to_markdown(results))
+
+
+def to_markdown(results: dict) -> str:
+    lines = [f"Batch {results['batch']}, context {results['context']}, {results['machine']}",
+             "", "| variant | step ms | tok/s | same tokens | max logit diff |",
+             "|---|---|---|---|---|"]
+    for name, r in results["variants"].items():
+        lines.append(f"| {name} | {r['step_ms']:.3f} | {r['tok_per_s']:.0f} | "
+                     f"{r['same_greedy_tokens']}/{results['batch']} | "
+                     f"{r['max_abs_logit_diff']:.3g} |")
+    for name, t in results["timelines"].items():
+        lines += ["", f"Timeline of `{name}`: {t['per_step_us']:.0f} µs a step (critical path)",
+                  "", "| kernel | µs a step | launches |", "|---|---|---|"]
+        for k, v in list(t["kernels"].items())[:20]:
+            lines.append(f"| {k} | {v['us_per_step']:.0f} | {v['launches_per_step']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
