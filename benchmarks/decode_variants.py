@@ -45,20 +45,35 @@ def _default_dense(key: str) -> dict:
     return lora_config.default_dense_config(t, n, k)
 
 
-# name -> (environment, {dense table key: entry}, module attribute patches)
+def _cfg(block_n, block_k, split, warps=4, stages=4) -> dict:
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": warps,
+            "num_stages": stages}
+
+
+OFF = {"LORASERVE_ATTN_PREFETCH": "0"}
+SIXTH = {**OFF, "LORASERVE_FUSE_SILU": "0"}
+GATE_UP_SILU, DOWN, O_PROJ = "T32_N28672_K4096_SILU", "T32_N4096_K14336", "T32_N4096_K4096"
+# name -> (environment, {dense table key: entry}, dense_gemm module attributes)
 VARIANTS = {
     "default": ({}, {}, {}),
-    "no_attn_prefetch": ({"LORASERVE_ATTN_PREFETCH": "0"}, {}, {}),
+    "sixth_session": (SIXTH, {}, {}),
+    "no_attn_prefetch": (OFF, {}, {}),
     "no_fused_silu": ({"LORASERVE_FUSE_SILU": "0"}, {}, {}),
-    "sixth_session": ({"LORASERVE_ATTN_PREFETCH": "0", "LORASERVE_FUSE_SILU": "0"}, {}, {}),
-    "qkv_ours": ({}, {"T32_N6144_K4096": "default"}, {}),
-    "gate_up_bn128": ({}, {"T32_N28672_K4096": {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1,
-                                                "num_warps": 4, "num_stages": 4}}, {}),
-    "gate_up_split2": ({}, {"T32_N28672_K4096": {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2,
-                                                 "num_warps": 4, "num_stages": 4}}, {}),
-    "prefetch_1024": ({}, {}, {"PREFETCH_COLUMNS": 1024}),
-    "prefetch_2048": ({}, {}, {"PREFETCH_COLUMNS": 2048}),
-    "no_pdl": ({"LORASERVE_PDL": "0"}, {}, {}),
+    "prefetch_start": ({"LORASERVE_ATTN_PREFETCH": "start"}, {}, {}),
+    "prefetch_end_half": ({"LORASERVE_ATTN_PREFETCH_FRACTION": "0.5"}, {}, {}),
+    "prefetch_start_quarter": ({"LORASERVE_ATTN_PREFETCH": "start",
+                                "LORASERVE_ATTN_PREFETCH_FRACTION": "0.25"}, {}, {}),
+    "silu_s3": (OFF, {GATE_UP_SILU: _cfg(128, 128, 1, stages=3)}, {}),
+    "silu_w8": (OFF, {GATE_UP_SILU: _cfg(128, 128, 1, warps=8)}, {}),
+    "silu_bk64_s6": (OFF, {GATE_UP_SILU: _cfg(128, 64, 1, stages=6)}, {}),
+    "silu_bn256_bk64": (OFF, {GATE_UP_SILU: _cfg(256, 64, 1, warps=8)}, {}),
+    "silu_bn64_bk256": (OFF, {GATE_UP_SILU: _cfg(64, 256, 1, stages=3)}, {}),
+    "down_bn64_split2": (OFF, {DOWN: _cfg(64, 128, 2)}, {}),
+    "down_split8": (OFF, {DOWN: _cfg(128, 128, 8)}, {}),
+    "o_split8": (OFF, {O_PROJ: _cfg(64, 128, 8)}, {}),
+    "o_bn32": (OFF, {O_PROJ: _cfg(32, 128, 4)}, {}),
+    "qkv_ours": (OFF, {"T32_N6144_K4096": "default"}, {}),
+    "prefetch_cols_256": (OFF, {}, {"PREFETCH_COLUMNS": 256}),
 }
 
 
@@ -120,8 +135,8 @@ def replay_ms(graph: torch.cuda.CUDAGraph, rounds: int = 7, reps: int = 20) -> f
 
 
 def short_name(name: str) -> str:
-    name = re.sub(r"<.*", "", name)
-    return name[:60]
+    name = re.sub(r"<.*|\(.*", "", name)
+    return name.removeprefix("void ")[:40]
 
 
 def timeline(graph: torch.cuda.CUDAGraph, reps: int = 3) -> dict:
@@ -140,14 +155,17 @@ def timeline(graph: torch.cuda.CUDAGraph, reps: int = 3) -> dict:
     )
     charged: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
-    last_end = None
+    last_end, prev = None, "step start"
     for start, end, name in kernels:
         if last_end is None:
             last_end = start
-        # A gap before a kernel is charged to it too: the step waited for it.
-        charged[name] += max(0.0, end - last_end)
-        counts[name] += 1
-        last_end = max(last_end, end)
+        # The kernel before tells apart launches of one kernel (the GEMM after the
+        # norm is gate/up, after the GEMM down...). A gap before a kernel is
+        # charged to it too: the step waited for it.
+        label = f"{name} after {prev}"
+        charged[label] += max(0.0, end - last_end)
+        counts[label] += 1
+        last_end, prev = max(last_end, end), name
     total = sum(charged.values())
     return {
         "per_step_us": total / reps,
@@ -177,7 +195,7 @@ def main() -> None:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--context", type=int, default=320)
     p.add_argument("--variants", nargs="*", default=list(VARIANTS))
-    p.add_argument("--trace", nargs="*", default=["sixth_session"])
+    p.add_argument("--trace", nargs="*", default=["sixth_session", "no_attn_prefetch"])
     p.add_argument("--json", type=Path)
     p.add_argument("--md", type=Path)
     args = p.parse_args()
@@ -226,7 +244,7 @@ def to_markdown(results: dict) -> str:
     for name, t in results["timelines"].items():
         lines += ["", f"Timeline of `{name}`: {t['per_step_us']:.0f} µs a step (critical path)",
                   "", "| kernel | µs a step | launches |", "|---|---|---|"]
-        for k, v in list(t["kernels"].items())[:20]:
+        for k, v in list(t["kernels"].items())[:24]:
             lines.append(f"| {k} | {v['us_per_step']:.0f} | {v['launches_per_step']:.0f} |")
     return "\n".join(lines) + "\n"
 

@@ -233,7 +233,7 @@ def dense_linear(
     y = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return y
-    cfg = config or dense_config(num_tokens, weight.shape[0], k)
+    cfg = config or dense_config(num_tokens, weight.shape[0], k, silu_mul)
     block_m, block_n, block_k = token_block(num_tokens), cfg["BLOCK_N"], cfg["BLOCK_K"]
     if silu_mul:
         block_n = max(16, block_n // 2)

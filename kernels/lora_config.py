@@ -200,19 +200,23 @@ def silu_config(num_tokens: int, width: int, rank: int) -> dict[str, Any]:
     return cfg
 
 
-def default_dense_config(num_tokens: int, n: int, k: int) -> dict[str, Any]:
-    """Enough (column tile, K split) programs for two waves of SMs."""
-    block_n, block_k = 64, 128
+def default_dense_config(num_tokens: int, n: int, k: int, silu_mul: bool = False) -> dict[str, Any]:
+    """Enough (column tile, K split) programs for two waves of SMs. With SiLU-and-mul
+    (a merged gate/up [n = 2I] whose epilogue applies the activation) a program
+    streams twice the rows, so one wave, of 128-row tiles (64 gate + 64 up rows),
+    as measured best on an H200 (benchmarks/RESULTS.md, seventh session)."""
+    block_n, block_k = (128, 128) if silu_mul else (64, 128)
+    waves = 1 if silu_mul else 2
     tiles = -(-n // block_n)
     split = 1
-    while split < 16 and tiles * split < 2 * _num_sms() and k // (2 * split) >= block_k:
+    while split < 16 and tiles * split < waves * _num_sms() and k // (2 * split) >= block_k:
         split *= 2
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4,
             "num_stages": 4}
 
 
-def dense_key(num_tokens: int, n: int, k: int) -> str:
-    return f"T{token_block(num_tokens)}_N{n}_K{k}"
+def dense_key(num_tokens: int, n: int, k: int, silu_mul: bool = False) -> str:
+    return f"T{token_block(num_tokens)}_N{n}_K{k}" + ("_SILU" if silu_mul else "")
 
 
 def token_block(num_tokens: int) -> int:
@@ -226,16 +230,16 @@ def has_dense_table() -> bool:
 
 # Lookups are cached: they run on every eager call.
 @lru_cache(maxsize=1024)
-def dense_tuned(num_tokens: int, n: int, k: int) -> dict[str, Any] | None:
+def dense_tuned(num_tokens: int, n: int, k: int, silu_mul: bool = False) -> dict[str, Any] | None:
     """The tuned table's entry for this shape class: a config, {"CUBLAS": 1} where
     cuBLAS won, or None (not tuned on this GPU)."""
-    return _lookup(_tuned_table().get("dense", {}), dense_key(num_tokens, n, k))
+    return _lookup(_tuned_table().get("dense", {}), dense_key(num_tokens, n, k, silu_mul))
 
 
 @lru_cache(maxsize=1024)
-def dense_config(num_tokens: int, n: int, k: int) -> dict[str, Any]:
-    cfg = default_dense_config(num_tokens, n, k)
-    tuned = dense_tuned(num_tokens, n, k)
+def dense_config(num_tokens: int, n: int, k: int, silu_mul: bool = False) -> dict[str, Any]:
+    cfg = default_dense_config(num_tokens, n, k, silu_mul)
+    tuned = dense_tuned(num_tokens, n, k, silu_mul)
     if tuned and not tuned.get("CUBLAS"):
         cfg.update(tuned)
     return cfg

@@ -190,6 +190,23 @@ def _attend(
 
 
 @triton.jit
+def _prefetch_share(pf_ptr, pf_lines, PF_LINE: tl.constexpr, PF_CHUNK: tl.constexpr):
+    """This program's share of the pf_lines 128-byte lines at pf_ptr, into L2.
+
+    Decode attention waits on latency and leaves the DRAM mostly idle: meanwhile
+    the weight the next layer reads can move into L2. The K/V reads of such a
+    launch go first when L2 needs room (KV_EVICT), so the prefetched lines stay."""
+    n_prog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    pid = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0)
+    pid += tl.program_id(0)
+    share = tl.cdiv(pf_lines, n_prog)
+    for c in range(0, share, PF_CHUNK):
+        line = pid * share + c + tl.arange(0, PF_CHUNK)
+        ok = (line < (pid + 1) * share) & (line < pf_lines)
+        l2_prefetch(pf_ptr + tl.where(ok, line, 0).to(tl.int64) * PF_LINE)
+
+
+@triton.jit
 def _attn_kernel(
     q_ptr,
     kc_ptr,
@@ -241,20 +258,10 @@ def _attn_kernel(
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if PREFETCH:
-        # Decode attention waits on latency and leaves the DRAM mostly idle:
-        # meanwhile pull the weight the next layer reads (pf_lines 128-byte
-        # lines) into L2, each program its share. Its K/V reads then go first
-        # when L2 needs room (KV_EVICT), so the prefetched lines stay.
+    if PREFETCH == 1:
         if PDL:
             gdc_launch_dependents()
-        n_prog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        pid = (split * tl.num_programs(1) + kvh) * tl.num_programs(0) + tile
-        share = tl.cdiv(pf_lines, n_prog)
-        for c in range(0, share, PF_CHUNK):
-            line = pid * share + c + tl.arange(0, PF_CHUNK)
-            ok = (line < (pid + 1) * share) & (line < pf_lines)
-            l2_prefetch(pf_ptr + tl.where(ok, line, 0).to(tl.int64) * PF_LINE)
+        _prefetch_share(pf_ptr, pf_lines, PF_LINE, PF_CHUNK)
         if PDL:
             gdc_wait()
     else:
@@ -348,6 +355,8 @@ def _attn_kernel(
             BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE, "",
         )  # fmt: skip
 
+    if PREFETCH == 2:
+        _prefetch_share(pf_ptr, pf_lines, PF_LINE, PF_CHUNK)
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     st_mask = row_ok[:, None] & d_ok[None, :]
@@ -492,21 +501,30 @@ def make_workspace(num_q_heads: int, head_dim: int, device: torch.device | str) 
     return torch.empty(workspace_numel(num_q_heads, head_dim), dtype=torch.float32, device=device)
 
 
+_PREFETCH_MODES = {"0": 0, "start": 1, "end": 2}
+
+
+def _prefetch_fraction() -> float:
+    return float(os.environ.get("LORASERVE_ATTN_PREFETCH_FRACTION", "1"))
+
+
 def _prefetch_target(
     prefetch: torch.Tensor | None, decode: bool, device: torch.device
-) -> torch.Tensor | None:
-    """The weight a launch prefetches, if any: decode launches on CUDA only (prefill
-    is bound by its own reads), compiled (the interpreter has no prefetch)."""
+) -> tuple[torch.Tensor | None, int]:
+    """The weight a launch prefetches, if any, and where in the kernel (1: before
+    attending, 2: after): decode launches on CUDA only (prefill is bound by its
+    own reads), compiled (the interpreter has no prefetch)."""
+    mode = _PREFETCH_MODES[os.environ.get("LORASERVE_ATTN_PREFETCH", "end")]
     if (
         prefetch is None
+        or not mode
         or not decode
         or device.type != "cuda"
         or os.environ.get("TRITON_INTERPRET", "0") == "1"
-        or os.environ.get("LORASERVE_ATTN_PREFETCH", "1") == "0"
     ):
-        return None
+        return None, 0
     assert prefetch.is_contiguous() and prefetch.device == device
-    return prefetch
+    return prefetch, mode
 
 
 def write_kv_cache(
@@ -606,7 +624,7 @@ def paged_attention(
     one_tile = mql <= cfg.block_q
     num_tiles = num_seqs if one_tile else num_tokens // cfg.block_q + num_seqs
     kc, vc = kv_cache[0], kv_cache[1]
-    pf = _prefetch_target(prefetch, one_tile, q.device)
+    pf, pf_at = _prefetch_target(prefetch, one_tile, q.device)
     _attn_kernel[(num_tiles, num_kv_heads, num_splits)](
         q,
         kc,
@@ -618,7 +636,7 @@ def paged_attention(
         seq_lens,
         block_tables,
         pf if pf is not None else q,
-        0 if pf is None else pf.numel() * pf.element_size() // 128,
+        0 if pf is None else int(pf.numel() * pf.element_size() * _prefetch_fraction()) // 128,
         num_seqs,
         num_splits,
         scale * _LOG2E,
@@ -649,7 +667,7 @@ def paged_attention(
         EVEN_D=head_dim == max(16, _next_pow2(head_dim)),
         IEEE=q.dtype == torch.float32,
         SEARCH_BLOCK=_SEARCH_BLOCK,
-        PREFETCH=pf is not None,
+        PREFETCH=pf_at,
         PF_LINE=128 // (pf if pf is not None else q).element_size(),
         PF_CHUNK=_PREFETCH_CHUNK,
         KV_EVICT="evict_first" if pf is not None else "",

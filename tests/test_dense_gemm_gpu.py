@@ -93,7 +93,7 @@ def test_linear_silu_and_mul_fuses_decode_batches_only(monkeypatch):
     layer = Linear(512, 2 * 384, device="cuda", dtype=torch.bfloat16)
     for tokens in (5, dense_gemm.MAX_TOKENS + 1):
         x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
-        want = silu_and_mul(F.linear(x, layer.weight))
+        want = silu_and_mul(F.linear(x, layer.weight, layer.bias))
         assert_close_bf16(layer.silu_and_mul(x), want)
     monkeypatch.setenv("LORASERVE_FUSE_SILU", "0")
     assert not dense_gemm.use_fused_silu_and_mul(5)

@@ -120,7 +120,7 @@ out["attention"] = report(
     {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch"},
     dict(GROUP=4, GROUP_P2=4, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, HEAD_DIM_P2=128,
          BLOCK_SIZE=16, ONE_TILE_PER_SEQ=True, SPLIT=True, USE_WINDOW=False, EVEN_D=True,
-         IEEE=False, SEARCH_BLOCK=128, PDL=True, PREFETCH=True, PF_LINE=64, PF_CHUNK=256,
+         IEEE=False, SEARCH_BLOCK=128, PDL=True, PREFETCH=1, PF_LINE=64, PF_CHUNK=256,
          KV_EVICT="evict_first"),
     floats={"qk_scale"})
 print(json.dumps(out))

@@ -66,8 +66,10 @@ def test_forced_splits(num_splits):
     check(b, max_query_len=1, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("mode", ["start", "end"])
 @pytest.mark.parametrize("batch", [1, 32, 64])
-def test_decode_that_prefetches_a_weight_gives_the_same_output(batch):
+def test_decode_that_prefetches_a_weight_gives_the_same_output(batch, mode, monkeypatch):
+    monkeypatch.setenv("LORASERVE_ATTN_PREFETCH", mode)
     # The prefetch only warms L2 (and the K/V loads change their eviction hint),
     # so outputs are bit for bit those of the plain launch; with and without splits.
     b = make_batch(decode_specs(batch, 40 + batch), HQ, HK, D, BS, torch.bfloat16,
@@ -76,7 +78,7 @@ def test_decode_that_prefetches_a_weight_gives_the_same_output(batch):
     for splits in (None, 1):
         plain, _ = run(b, max_query_len=1, num_splits=splits)
         warmed, _ = run(b, max_query_len=1, num_splits=splits, prefetch=weight)
-        assert pa._prefetch_target(weight, True, weight.device) is weight
+        assert pa._prefetch_target(weight, True, weight.device)[0] is weight
         assert torch.equal(plain, warmed)
     check(b, max_query_len=1, prefetch=weight)
 
