@@ -25,12 +25,14 @@ import json
 import os
 import re
 import statistics
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from loraserve.kernels import dense_gemm, lora_config
+from loraserve.kernels import paged_attention as pa
 from offline import machine, make_prompts
 
 from loraserve import LLM, SamplingParams
@@ -50,30 +52,30 @@ def _cfg(block_n, block_k, split, warps=4, stages=4) -> dict:
             "num_stages": stages}
 
 
-OFF = {"LORASERVE_ATTN_PREFETCH": "0"}
-SIXTH = {**OFF, "LORASERVE_FUSE_SILU": "0"}
-GATE_UP_SILU, DOWN, O_PROJ = "T32_N28672_K4096_SILU", "T32_N4096_K14336", "T32_N4096_K4096"
-# name -> (environment, {dense table key: entry}, dense_gemm module attributes)
+NO_FUSE = {"LORASERVE_FUSE_SILU": "0"}
+GATE_UP_SILU = "T32_N28672_K4096_SILU"
+
+
+def _attention(block_n: int, warps: int, stages: int):
+    # Decode attention with this tiling (one query per tile).
+    def pick(max_query_len, group, head_dim, dtype, crowded=False):
+        return pa.AttentionConfig(1, block_n, warps, stages)
+    return pick
+
+
+# name -> (environment, {dense table key: entry}, {(module, attribute): value})
 VARIANTS = {
     "default": ({}, {}, {}),
-    "sixth_session": (SIXTH, {}, {}),
-    "no_attn_prefetch": (OFF, {}, {}),
-    "no_fused_silu": ({"LORASERVE_FUSE_SILU": "0"}, {}, {}),
-    "prefetch_start": ({"LORASERVE_ATTN_PREFETCH": "start"}, {}, {}),
-    "prefetch_end_half": ({"LORASERVE_ATTN_PREFETCH_FRACTION": "0.5"}, {}, {}),
-    "prefetch_start_quarter": ({"LORASERVE_ATTN_PREFETCH": "start",
-                                "LORASERVE_ATTN_PREFETCH_FRACTION": "0.25"}, {}, {}),
-    "silu_s3": (OFF, {GATE_UP_SILU: _cfg(128, 128, 1, stages=3)}, {}),
-    "silu_w8": (OFF, {GATE_UP_SILU: _cfg(128, 128, 1, warps=8)}, {}),
-    "silu_bk64_s6": (OFF, {GATE_UP_SILU: _cfg(128, 64, 1, stages=6)}, {}),
-    "silu_bn256_bk64": (OFF, {GATE_UP_SILU: _cfg(256, 64, 1, warps=8)}, {}),
-    "silu_bn64_bk256": (OFF, {GATE_UP_SILU: _cfg(64, 256, 1, stages=3)}, {}),
-    "down_bn64_split2": (OFF, {DOWN: _cfg(64, 128, 2)}, {}),
-    "down_split8": (OFF, {DOWN: _cfg(128, 128, 8)}, {}),
-    "o_split8": (OFF, {O_PROJ: _cfg(64, 128, 8)}, {}),
-    "o_bn32": (OFF, {O_PROJ: _cfg(32, 128, 4)}, {}),
-    "qkv_ours": (OFF, {"T32_N6144_K4096": "default"}, {}),
-    "prefetch_cols_256": (OFF, {}, {"PREFETCH_COLUMNS": 256}),
+    "no_fused_silu": (NO_FUSE, {}, {}),
+    "no_pdl": ({"LORASERVE_PDL": "0"}, {}, {}),
+    "prefetch_cols_256": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 256}),
+    "prefetch_cols_128": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 128}),
+    "prefetch_cols_0": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 0}),
+    "silu_bk64_s6": ({}, {GATE_UP_SILU: _cfg(128, 64, 1, stages=6)}, {}),
+    "attn_128_3": ({}, {}, {(pa, "pick_config"): _attention(128, 4, 3)}),
+    "attn_32_3": ({}, {}, {(pa, "pick_config"): _attention(32, 4, 3)}),
+    "attn_1_split": ({}, {}, {(pa, "MAX_SPLITS"): 1}),
+    "attn_4_splits": ({}, {}, {(pa, "_num_sms"): lambda device: 4 * 132}),
 }
 
 
@@ -82,12 +84,12 @@ def variant(env: dict, table: dict, attrs: dict):
     saved_env = {k: os.environ.get(k) for k in env}
     dense = lora_config._tuned_table().setdefault("dense", {})
     saved_table = {k: dense.get(k) for k in table}
-    saved_attrs = {k: getattr(dense_gemm, k) for k in attrs}
+    saved_attrs = {key: getattr(*key) for key in attrs}
     os.environ.update(env)
     for key, entry in table.items():
         dense[key] = _default_dense(key) if entry == "default" else entry
-    for k, v in attrs.items():
-        setattr(dense_gemm, k, v)
+    for (module, name), value in attrs.items():
+        setattr(module, name, value)
     lora_config.dense_tuned.cache_clear()
     lora_config.dense_config.cache_clear()
     try:
@@ -103,8 +105,8 @@ def variant(env: dict, table: dict, attrs: dict):
                 dense.pop(k, None)
             else:
                 dense[k] = v
-        for k, v in saved_attrs.items():
-            setattr(dense_gemm, k, v)
+        for (module, name), value in saved_attrs.items():
+            setattr(module, name, value)
         lora_config.dense_tuned.cache_clear()
         lora_config.dense_config.cache_clear()
 
@@ -174,10 +176,62 @@ def timeline(graph: torch.cuda.CUDAGraph, reps: int = 3) -> dict:
     }
 
 
+def engine_loop(llm: LLM, steps: int, traced: dict) -> dict:
+    """Real engine steps (the engine's own graphs, default switches): wall time a
+    step against a replay of its graph, and the device work a step does outside
+    the graph (input copies, sampling), from a profile of a few steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    processor = _processor(llm)
+    graph_kernels = {k.split(" after ")[0] for t in traced.values() for k in t["kernels"]}
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        processor.process_outputs(engine.step().outputs)
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    profiled = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(profiled):
+            processor.process_outputs(engine.step().outputs)
+        torch.cuda.synchronize()
+    outside: dict[str, float] = defaultdict(float)
+    busy = []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.time_range.end <= 0:
+            continue
+        busy.append((e.time_range.start, e.time_range.end))
+        name = short_name(e.name)
+        if name not in graph_kernels:
+            outside[name] += (e.time_range.end - e.time_range.start) / profiled
+    busy.sort()
+    union, span_end = 0.0, None
+    for a, b in busy:
+        if span_end is None or a > span_end:
+            union += b - a
+            span_end = b
+        elif b > span_end:
+            union += b - span_end
+            span_end = b
+    window = (busy[-1][1] - busy[0][0]) if busy else 0.0
+    return {
+        "wall_ms_per_step": wall_ms,
+        "device_busy_fraction": union / window if window else None,
+        "outside_graph_us_per_step": dict(sorted(outside.items(), key=lambda kv: -kv[1])[:15]),
+    }
+
+
+def _processor(llm: LLM) -> OutputProcessor:
+    if not hasattr(llm, "_bench_processor"):
+        llm._bench_processor = OutputProcessor(llm.tokenizer)
+    return llm._bench_processor
+
+
 def fill_batch(llm: LLM, context: int) -> None:
     engine = llm.engine
     vocab = llm.config.model_config.hf_config.vocab_size
-    processor = OutputProcessor(llm.tokenizer)
+    processor = _processor(llm)
     params = SamplingParams(temperature=0.0, max_tokens=4 * context, ignore_eos=True)
     prompt_len = 64
     for i, prompt in enumerate(make_prompts(BATCH, prompt_len, vocab)):
@@ -195,7 +249,9 @@ def main() -> None:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--context", type=int, default=320)
     p.add_argument("--variants", nargs="*", default=list(VARIANTS))
-    p.add_argument("--trace", nargs="*", default=["sixth_session", "no_attn_prefetch"])
+    p.add_argument("--trace", nargs="*", default=["no_fused_silu"])
+    p.add_argument("--loop-steps", type=int, default=100,
+                   help="then time this many real engine steps against the replay")
     p.add_argument("--json", type=Path)
     p.add_argument("--md", type=Path)
     args = p.parse_args()
@@ -226,6 +282,9 @@ def main() -> None:
         results["variants"][name] = row
         print(name, json.dumps(row), flush=True)
     results["timelines"] = traced
+    if args.loop_steps:
+        results["engine_loop"] = engine_loop(llm, args.loop_steps, traced)
+        print(json.dumps(results["engine_loop"], indent=1), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     if args.md:

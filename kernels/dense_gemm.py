@@ -94,16 +94,17 @@ def _dense_kernel(
     k_lo = tl.multiple_of(split * k_per_split, BLOCK_K)
     if PDL:
         gdc_launch_dependents()
-        # The weights are no kernel's output: start pulling the first PREFETCH_K
-        # columns of this program's rows into L2 while the previous kernel
-        # finishes, one prefetch per 128-byte line.
-        line: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
-        cols = k_lo + tl.arange(0, PREFETCH_K // line) * line
-        pf_ok = n_ok[:, None] & (cols < K)[None, :]
-        pf_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-        l2_prefetch(tl.where(pf_ok, pf_ptrs, w_ptr))
-        if SILU_MUL:
-            l2_prefetch(tl.where(pf_ok, pf_ptrs + pair_offset * stride_wn, w_ptr))
+        if PREFETCH_K > 0:
+            # The weights are no kernel's output: start pulling the first
+            # PREFETCH_K columns of this program's rows into L2 while the previous
+            # kernel finishes, one prefetch per 128-byte line.
+            line: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
+            cols = k_lo + tl.arange(0, PREFETCH_K // line) * line
+            pf_ok = n_ok[:, None] & (cols < K)[None, :]
+            pf_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+            l2_prefetch(tl.where(pf_ok, pf_ptrs, w_ptr))
+            if SILU_MUL:
+                l2_prefetch(tl.where(pf_ok, pf_ptrs + pair_offset * stride_wn, w_ptr))
         gdc_wait()
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k_lo + offs_k)[:, None]
@@ -255,7 +256,8 @@ def dense_linear(
         BLOCK_K=block_k, SPLIT_K=split, EVEN_K=k % (split * block_k) == 0,
         EVEN_N=n % block_n == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PREFETCH_K=max(64, min(PREFETCH_COLUMNS, triton.next_power_of_2(k_per_split))),
+        PREFETCH_K=PREFETCH_COLUMNS and max(64, min(PREFETCH_COLUMNS,
+                                                     triton.next_power_of_2(k_per_split))),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(x.device),
     )
     return y

@@ -34,8 +34,10 @@ tile i is simply sequence i.
 Split-KV: when the batch has too few (sequence, KV head) pairs to fill the GPU,
 each pair's keys are cut into ``num_splits`` ranges whose length follows the
 real sequence length at run time; every split writes a normalised partial
-output and its log-sum-exp into ``workspace``, and a second small kernel merges
-them.
+output and its log-sum-exp into ``workspace`` and counts itself in on the tile's
+counter; the split that completes the count merges the partials (in split
+order, so the result does not depend on which split that is) and resets the
+counter. One launch, no second merge kernel.
 
 CUDA graphs
 -----------
@@ -55,21 +57,24 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .pdl import gdc_launch_dependents, gdc_wait, l2_prefetch, pdl_args, pdl_begin
+from .pdl import pdl_args, pdl_begin
 
 # Split-KV partials are kept for at most this many (token, split) pairs, which
 # bounds the workspace; batches that big fill the GPU without splitting anyway.
 MAX_SPLIT_ROWS = 512
 MAX_SPLITS = 32
-# Lines of the prefetched weight a program asks for at a time.
-_PREFETCH_CHUNK = 256
+# Split counters, one per (query tile, KV head) of a split launch: at most
+# MAX_SPLIT_ROWS tokens and as many sequences, 64 KV heads. One buffer per device,
+# made on the first split launch (the eager warm-up before a capture); launches
+# that share it run one after another, on one stream.
+_MAX_LOCKS = 2 * MAX_SPLIT_ROWS * 64
+_locks: dict[torch.device, torch.Tensor] = {}
 # Sequences scanned per step when a tile looks up its sequence.
 _SEARCH_BLOCK = 128
 _LOG2E = 1.4426950408889634
@@ -142,7 +147,6 @@ def _attend(
     USE_WINDOW: tl.constexpr,
     EVEN_D: tl.constexpr,
     IEEE: tl.constexpr,
-    KV_EVICT: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi); unmasked ranges hold whole BLOCK_N tiles only."""
     for start in range(lo, hi, BLOCK_N):
@@ -156,10 +160,8 @@ def _attend(
         k_ptrs = kc_ptr + off[None, :] + d[:, None]
         v_ptrs = vc_ptr + off[:, None] + d[None, :]
         if MASKED:
-            k_t = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0,
-                          eviction_policy=KV_EVICT)
-            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0,
-                        eviction_policy=KV_EVICT)
+            k_t = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         elif EVEN_D:
             k_t = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
@@ -190,23 +192,6 @@ def _attend(
 
 
 @triton.jit
-def _prefetch_share(pf_ptr, pf_lines, PF_LINE: tl.constexpr, PF_CHUNK: tl.constexpr):
-    """This program's share of the pf_lines 128-byte lines at pf_ptr, into L2.
-
-    Decode attention waits on latency and leaves the DRAM mostly idle: meanwhile
-    the weight the next layer reads can move into L2. The K/V reads of such a
-    launch go first when L2 needs room (KV_EVICT), so the prefetched lines stay."""
-    n_prog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    pid = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0)
-    pid += tl.program_id(0)
-    share = tl.cdiv(pf_lines, n_prog)
-    for c in range(0, share, PF_CHUNK):
-        line = pid * share + c + tl.arange(0, PF_CHUNK)
-        ok = (line < (pid + 1) * share) & (line < pf_lines)
-        l2_prefetch(pf_ptr + tl.where(ok, line, 0).to(tl.int64) * PF_LINE)
-
-
-@triton.jit
 def _attn_kernel(
     q_ptr,
     kc_ptr,
@@ -214,11 +199,10 @@ def _attn_kernel(
     out_ptr,
     ws_o_ptr,
     ws_lse_ptr,
+    lock_ptr,
     qsl_ptr,
     seq_lens_ptr,
     bt_ptr,
-    pf_ptr,
-    pf_lines,
     num_seqs,
     num_splits,
     qk_scale,
@@ -250,22 +234,11 @@ def _attn_kernel(
     IEEE: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PF_LINE: tl.constexpr,
-    PF_CHUNK: tl.constexpr,
-    KV_EVICT: tl.constexpr,
 ):
+    pdl_begin(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if PREFETCH == 1:
-        if PDL:
-            gdc_launch_dependents()
-        _prefetch_share(pf_ptr, pf_lines, PF_LINE, PF_CHUNK)
-        if PDL:
-            gdc_wait()
-    else:
-        pdl_begin(PDL)
 
     if ONE_TILE_PER_SEQ:
         seq = tile
@@ -336,80 +309,63 @@ def _attn_kernel(
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, kv_lo, kv_hi, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
             qk_scale, window, stride_cb, stride_cs,
-            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE, KV_EVICT,
+            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
         )  # fmt: skip
     else:
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, kv_lo, f_lo, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
             qk_scale, window, stride_cb, stride_cs,
-            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE, "",
+            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
         )  # fmt: skip
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, f_lo, f_end, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
             qk_scale, window, stride_cb, stride_cs,
-            BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, EVEN_D, IEEE, "",
+            BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, EVEN_D, IEEE,
         )  # fmt: skip
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, f_end, kv_hi, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
             qk_scale, window, stride_cb, stride_cs,
-            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE, "",
+            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
         )  # fmt: skip
 
-    if PREFETCH == 2:
-        _prefetch_share(pf_ptr, pf_lines, PF_LINE, PF_CHUNK)
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     st_mask = row_ok[:, None] & d_ok[None, :]
     tok_g = q_start + tok
     if SPLIT:
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), _NEG_START)
-        ws_row = split * ws_o_ss + tok_g * ws_o_st + head * HEAD_DIM
-        tl.store(ws_o_ptr + ws_row[:, None] + d[None, :], o, mask=st_mask)
-        tl.store(ws_lse_ptr + split * ws_lse_ss + tok_g * ws_lse_st + head, lse, mask=row_ok)
+        ws_rows = tok_g * ws_o_st + head * HEAD_DIM
+        tl.store(ws_o_ptr + split * ws_o_ss + ws_rows[:, None] + d[None, :], o, mask=st_mask)
+        lse_rows = tok_g * ws_lse_st + head
+        tl.store(ws_lse_ptr + split * ws_lse_ss + lse_rows, lse, mask=row_ok)
+        # The last split of this tile to finish merges the partials, in split
+        # order (the result does not depend on which split that is), and puts
+        # the tile's counter back to 0 for the next launch or graph replay.
+        # The barrier puts every thread's stores before the counter's release.
+        tl.debug_barrier()
+        lock = lock_ptr + tile * tl.num_programs(1) + kvh
+        if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            m_run = tl.full([BLOCK_M], _NEG_START, dtype=tl.float32)
+            w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            merged = tl.zeros([BLOCK_M, HEAD_DIM_P2], dtype=tl.float32)
+            for sp in range(0, num_splits):
+                # .cg: read L2, never a stale L1 line.
+                lse_sp = tl.load(ws_lse_ptr + sp * ws_lse_ss + lse_rows, mask=row_ok,
+                                 other=_NEG_START, cache_modifier=".cg")
+                o_sp = tl.load(ws_o_ptr + sp * ws_o_ss + ws_rows[:, None] + d[None, :],
+                               mask=st_mask, other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m_run, lse_sp)
+                keep = tl.exp2(m_run - m_new)
+                w = tl.exp2(lse_sp - m_new)
+                merged = merged * keep[:, None] + w[:, None] * o_sp
+                w_sum = w_sum * keep + w
+                m_run = m_new
+            dst = out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+            tl.store(dst, (merged / w_sum[:, None]).to(out_ptr.dtype.element_ty), mask=st_mask)
+            tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
     else:
         dst = out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=st_mask)
-
-
-@triton.jit
-def _merge_splits_kernel(
-    out_ptr,
-    ws_o_ptr,
-    ws_lse_ptr,
-    qsl_ptr,
-    num_seqs,
-    num_splits,
-    stride_ot,
-    stride_oh,
-    ws_o_ss,
-    ws_o_st,
-    ws_lse_ss,
-    ws_lse_st,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P2: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl_begin(PDL)
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.arange(0, SPLITS_P2)
-    s_ok = s < num_splits
-    d = tl.arange(0, HEAD_DIM_P2)
-    d_ok = d < HEAD_DIM
-    lse = tl.load(ws_lse_ptr + s * ws_lse_ss + t * ws_lse_st + h, mask=s_ok, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))
-    o = tl.load(
-        ws_o_ptr + s[:, None] * ws_o_ss + t * ws_o_st + h * HEAD_DIM + d[None, :],
-        mask=s_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    res = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-    # Padding tokens have no partials (the workspace holds stale data there).
-    res = tl.where(t < tl.load(qsl_ptr + num_seqs), res, 0.0)
-    tl.store(
-        out_ptr + t * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d_ok
-    )
 
 
 @dataclass(frozen=True)
@@ -501,30 +457,13 @@ def make_workspace(num_q_heads: int, head_dim: int, device: torch.device | str) 
     return torch.empty(workspace_numel(num_q_heads, head_dim), dtype=torch.float32, device=device)
 
 
-_PREFETCH_MODES = {"0": 0, "start": 1, "end": 2}
-
-
-def _prefetch_fraction() -> float:
-    return float(os.environ.get("LORASERVE_ATTN_PREFETCH_FRACTION", "1"))
-
-
-def _prefetch_target(
-    prefetch: torch.Tensor | None, decode: bool, device: torch.device
-) -> tuple[torch.Tensor | None, int]:
-    """The weight a launch prefetches, if any, and where in the kernel (1: before
-    attending, 2: after): decode launches on CUDA only (prefill is bound by its
-    own reads), compiled (the interpreter has no prefetch)."""
-    mode = _PREFETCH_MODES[os.environ.get("LORASERVE_ATTN_PREFETCH", "end")]
-    if (
-        prefetch is None
-        or not mode
-        or not decode
-        or device.type != "cuda"
-        or os.environ.get("TRITON_INTERPRET", "0") == "1"
-    ):
-        return None, 0
-    assert prefetch.is_contiguous() and prefetch.device == device
-    return prefetch, mode
+def _lock_buffer(device: torch.device) -> torch.Tensor:
+    locks = _locks.get(device)
+    if locks is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("paged_attention: run a split launch once outside graph capture")
+        locks = _locks[device] = torch.zeros(_MAX_LOCKS, dtype=torch.int32, device=device)
+    return locks
 
 
 def write_kv_cache(
@@ -573,7 +512,6 @@ def paged_attention(
     workspace: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: AttentionConfig | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of ``q`` [T, Hq, D] over the paged cache; fills ``out``.
 
@@ -583,9 +521,6 @@ def paged_attention(
     ``workspace_numel(Hq, D)`` elements, needed (for graph capture) when the
     launch splits the keys; without one a split launch allocates its own.
     ``num_splits`` and ``config`` override the defaults (tests, tuning).
-    ``prefetch``: a contiguous weight the caller reads next (the o projection);
-    a decode launch on CUDA pulls it into L2 while it attends
-    (``LORASERVE_ATTN_PREFETCH=0`` turns that off).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
@@ -617,14 +552,15 @@ def paged_attention(
         n_o = num_splits * num_tokens * num_q_heads * head_dim
         ws_o = workspace[:n_o]
         ws_lse = workspace[n_o:need]
+        locks = _lock_buffer(q.device)
     else:
-        ws_o = ws_lse = out  # unused by the kernel
+        ws_o = ws_lse = locks = out  # unused by the kernel
     group_p2 = _next_pow2(group)
     block_m = max(16, cfg.block_q * group_p2)
     one_tile = mql <= cfg.block_q
     num_tiles = num_seqs if one_tile else num_tokens // cfg.block_q + num_seqs
+    assert not split or num_tiles * num_kv_heads <= _MAX_LOCKS
     kc, vc = kv_cache[0], kv_cache[1]
-    pf, pf_at = _prefetch_target(prefetch, one_tile, q.device)
     _attn_kernel[(num_tiles, num_kv_heads, num_splits)](
         q,
         kc,
@@ -632,11 +568,10 @@ def paged_attention(
         out,
         ws_o,
         ws_lse,
+        locks,
         query_start_loc,
         seq_lens,
         block_tables,
-        pf if pf is not None else q,
-        0 if pf is None else int(pf.numel() * pf.element_size() * _prefetch_fraction()) // 128,
         num_seqs,
         num_splits,
         scale * _LOG2E,
@@ -667,31 +602,8 @@ def paged_attention(
         EVEN_D=head_dim == max(16, _next_pow2(head_dim)),
         IEEE=q.dtype == torch.float32,
         SEARCH_BLOCK=_SEARCH_BLOCK,
-        PREFETCH=pf_at,
-        PF_LINE=128 // (pf if pf is not None else q).element_size(),
-        PF_CHUNK=_PREFETCH_CHUNK,
-        KV_EVICT="evict_first" if pf is not None else "",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_args(q.device),
     )
-    if split:
-        _merge_splits_kernel[(num_tokens, num_q_heads)](
-            out,
-            ws_o,
-            ws_lse,
-            query_start_loc,
-            num_seqs,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            num_tokens * num_q_heads * head_dim,
-            num_q_heads * head_dim,
-            num_tokens * num_q_heads,
-            num_q_heads,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_P2=_next_pow2(head_dim),
-            SPLITS_P2=_next_pow2(num_splits),
-            **pdl_args(q.device),
-        )
     return out

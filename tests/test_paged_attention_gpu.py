@@ -66,23 +66,6 @@ def test_forced_splits(num_splits):
     check(b, max_query_len=1, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("mode", ["start", "end"])
-@pytest.mark.parametrize("batch", [1, 32, 64])
-def test_decode_that_prefetches_a_weight_gives_the_same_output(batch, mode, monkeypatch):
-    monkeypatch.setenv("LORASERVE_ATTN_PREFETCH", mode)
-    # The prefetch only warms L2 (and the K/V loads change their eviction hint),
-    # so outputs are bit for bit those of the plain launch; with and without splits.
-    b = make_batch(decode_specs(batch, 40 + batch), HQ, HK, D, BS, torch.bfloat16,
-                   seed=batch, device="cuda")
-    weight = torch.randn(4096 + 5, 4096, device="cuda", dtype=torch.bfloat16)
-    for splits in (None, 1):
-        plain, _ = run(b, max_query_len=1, num_splits=splits)
-        warmed, _ = run(b, max_query_len=1, num_splits=splits, prefetch=weight)
-        assert pa._prefetch_target(weight, True, weight.device)[0] is weight
-        assert torch.equal(plain, warmed)
-    check(b, max_query_len=1, prefetch=weight)
-
-
 def _copy_into(static, b):
     for name in (
         "q",

@@ -79,10 +79,7 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        # The o projection's weight is read next: the backend may pull it into
-        # L2 while it waits on the KV cache.
-        o_weight = getattr(self.o_proj, "base_layer", self.o_proj).weight
-        out = attn.forward(q, k, v, kv_cache, self.scale, self.sliding_window, prefetch=o_weight)
+        out = attn.forward(q, k, v, kv_cache, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -74,9 +74,7 @@ class TorchPagedAttention:
         kv_cache: torch.Tensor,
         scale: float,
         sliding_window: int | None,
-        prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``prefetch``: a weight the caller reads next (a hint; ignored here)."""
         meta = self.meta
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
@@ -121,7 +119,6 @@ class TritonPagedAttention:
         kv_cache: torch.Tensor,
         scale: float,
         sliding_window: int | None,
-        prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from loraserve.kernels.paged_attention import paged_attention, write_kv_cache
 
@@ -133,6 +130,6 @@ class TritonPagedAttention:
         paged_attention(
             q, kv_cache, out, meta.query_start_loc_t, meta.seq_lens_t,
             meta.block_tables_t, scale, sliding_window, max_query_len=meta.max_query_len,
-            workspace=self.workspace, prefetch=prefetch,
+            workspace=self.workspace,
         )
         return out
