@@ -54,6 +54,7 @@ def _cfg(block_n, block_k, split, warps=4, stages=4) -> dict:
 
 NO_FUSE = {"LORASERVE_FUSE_SILU": "0"}
 GATE_UP_SILU = "T32_N28672_K4096_SILU"
+DOWN, O_PROJ, QKV = "T32_N4096_K14336", "T32_N4096_K4096", "T32_N6144_K4096"
 
 
 def _attention(block_n: int, warps: int, stages: int):
@@ -67,15 +68,22 @@ def _attention(block_n: int, warps: int, stages: int):
 VARIANTS = {
     "default": ({}, {}, {}),
     "no_fused_silu": (NO_FUSE, {}, {}),
-    "no_pdl": ({"LORASERVE_PDL": "0"}, {}, {}),
-    "prefetch_cols_256": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 256}),
-    "prefetch_cols_128": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 128}),
+    "prefetch_cols_512": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 512}),
     "prefetch_cols_0": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 0}),
-    "silu_bk64_s6": ({}, {GATE_UP_SILU: _cfg(128, 64, 1, stages=6)}, {}),
-    "attn_128_3": ({}, {}, {(pa, "pick_config"): _attention(128, 4, 3)}),
-    "attn_32_3": ({}, {}, {(pa, "pick_config"): _attention(32, 4, 3)}),
+    "attn_64_2": ({}, {}, {(pa, "pick_config"): _attention(64, 4, 2)}),
     "attn_1_split": ({}, {}, {(pa, "MAX_SPLITS"): 1}),
-    "attn_4_splits": ({}, {}, {(pa, "_num_sms"): lambda device: 4 * 132}),
+    "silu_bk64_s4": ({}, {GATE_UP_SILU: _cfg(128, 64, 1)}, {}),
+    "silu_bk128_s3": ({}, {GATE_UP_SILU: _cfg(128, 128, 1, stages=3)}, {}),
+    "silu_bn256_bk64_s3": ({}, {GATE_UP_SILU: _cfg(256, 64, 1, warps=8, stages=3)}, {}),
+    "down_bn64": ({}, {DOWN: _cfg(64, 128, 4)}, {}),
+    "down_bk64_s6": ({}, {DOWN: _cfg(128, 64, 4, stages=6)}, {}),
+    "down_w8": ({}, {DOWN: _cfg(128, 128, 4, warps=8)}, {}),
+    "o_split2": ({}, {O_PROJ: _cfg(64, 128, 2)}, {}),
+    "o_bn128": ({}, {O_PROJ: _cfg(128, 128, 4)}, {}),
+    "o_bk64_s6": ({}, {O_PROJ: _cfg(64, 64, 4, stages=6)}, {}),
+    "qkv_ours_split2": ({}, {QKV: _cfg(64, 128, 2)}, {}),
+    "qkv_ours_bn128": ({}, {QKV: _cfg(128, 128, 4)}, {}),
+    "qkv_ours_bk64": ({}, {QKV: _cfg(64, 64, 4, stages=6)}, {}),
 }
 
 

@@ -47,9 +47,10 @@ from .pdl import gdc_launch_dependents, gdc_wait, l2_prefetch, pdl_args
 # Above this many tokens a step is no longer a pure weight stream: cuBLAS.
 MAX_TOKENS = 64
 # With PDL, the columns of each weight row a program prefetches into L2 before
-# the previous kernel ends: a few pipeline stages' worth, and across the
-# programs of one wave well within the 50 MB L2.
-PREFETCH_COLUMNS = 512
+# the previous kernel ends: one pipeline stage's worth. More delays the previous
+# kernel's own reads (a batch-32 step on the H200: 0 / 128 / 256 / 512 / 1024
+# columns took 4.850 / 4.817 / 4.824 / 4.864 / 4.92 ms, benchmarks/RESULTS.md).
+PREFETCH_COLUMNS = 128
 # Counters for this many column tiles (N / BLOCK_N of any split launch).
 _MAX_LOCKS = 8192
 _locks: dict[torch.device, torch.Tensor] = {}

@@ -70,9 +70,12 @@ def rms_norm(
 @triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
+    v_ptr, kc_ptr, vc_ptr, slot_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos,
+    stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
     num_q_heads, num_k_heads,
     HALF: tl.constexpr, HALF_P2: tl.constexpr, HEADS_P2: tl.constexpr,
+    WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
@@ -105,25 +108,55 @@ def _rope_kernel(
         o2 = x2f * cos2[None, :] + x1f * sin2[None, :]
         tl.store(p1, o1.to(x1.dtype), mask=mask)
         tl.store(p1 + HALF, o2.to(x1.dtype), mask=mask)
+    if WRITE_KV:
+        # The rotated k and this token's v, into the paged cache at its slot
+        # (padding tokens, slot -1, store nothing), as write_kv_cache does.
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        safe = tl.maximum(slot, 0)
+        mask = (h[:, None] < num_k_heads) & dmask[None, :] & ((h[:, None] * 0 + slot) >= 0)
+        dst = (safe // BLOCK_SIZE) * stride_cb + (safe % BLOCK_SIZE) * stride_cs
+        dst = dst + h[:, None] * stride_ch + d[None, :]
+        ty = kc_ptr.dtype.element_ty
+        tl.store(kc_ptr + dst, o1.to(x1.dtype).to(ty), mask=mask)
+        tl.store(kc_ptr + dst + HALF, o2.to(x1.dtype).to(ty), mask=mask)
+        v_row = v_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :]
+        tl.store(vc_ptr + dst, tl.load(v_row, mask=mask).to(ty), mask=mask)
+        tl.store(vc_ptr + dst + HALF, tl.load(v_row + HALF, mask=mask).to(ty), mask=mask)
 
 
 def rotary_embedding_(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-    sin: torch.Tensor,
+    sin: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Rotate q [T, Hq, D] and k [T, Hk, D] in place (rotate-half convention, all of
-    D rotated); cos/sin are fp32 [max_pos, D] tables."""
+    D rotated); cos/sin are fp32 [max_pos, D] tables. ``cache``: (v, kv_cache,
+    slot_mapping) also stores the rotated k and v in the paged cache, as
+    ``paged_attention.write_kv_cache(k, v, kv_cache, slot_mapping)`` would
+    afterwards, in the same kernel."""
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return
     assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1
     assert cos.shape[1] == head_dim and head_dim % 2 == 0
     half = head_dim // 2
+    if cache is None:
+        v = kc = vc = slots = q  # unused
+        v_strides, cache_strides, block_size = (0, 0), (0, 0, 0), 1
+    else:
+        v, kv_cache, slots = cache
+        assert v.shape == k.shape and v.stride(2) == 1 and kv_cache.stride(4) == 1
+        assert kv_cache.shape[3:] == k.shape[1:]
+        kc, vc = kv_cache[0], kv_cache[1]
+        v_strides, cache_strides = (v.stride(0), v.stride(1)), kc.stride()[:3]
+        block_size = kv_cache.shape[2]
     _rope_kernel[(num_tokens,)](
         q, k, positions, cos, sin,
+        v, kc, vc, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+        *v_strides, *cache_strides,
         num_q_heads, k.shape[1],
         HALF=half, HALF_P2=triton.next_power_of_2(half),
         HEADS_P2=triton.next_power_of_2(max(num_q_heads, k.shape[1])),
+        WRITE_KV=cache is not None, BLOCK_SIZE=block_size,
         **pdl_args(q.device),
     )

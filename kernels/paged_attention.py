@@ -391,16 +391,17 @@ def pick_config(
 ) -> AttentionConfig:
     """Default tiling for a batch whose longest query is ``max_query_len`` tokens.
 
-    ``crowded``: the batch has at least 8 (sequence, KV head) pairs per SM.
-    The choices are the best of a sweep on an H200 (benchmarks/RESULTS.md).
+    ``crowded``: the batch has at least one (sequence, KV head) pair per SM.
+    The choices are the best of sweeps on an H200 (benchmarks/RESULTS.md).
     """
     group_p2 = _next_pow2(group)
     d_p2 = max(16, _next_pow2(head_dim))
     wide = d_p2 > 128 or dtype == torch.float32
     if max_query_len * group_p2 <= 16:
         # Decode (and short speculative queries): one tile per sequence and
-        # reads dominate. Only a GPU crowded with programs gains from longer
-        # key tiles and a deeper pipeline; otherwise they lose occupancy.
+        # reads dominate. A GPU with a pair per SM gains from longer key tiles
+        # and a deeper pipeline (batch 32 of the 8B shape: also at 128-576
+        # keys); fewer pairs need the occupancy of short ones.
         block_q = _next_pow2(max_query_len)
         if wide:
             return AttentionConfig(block_q, 32, 4, 3)
@@ -415,7 +416,7 @@ def pick_config(
 
 
 def _crowded(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
-    return num_seqs * num_kv_heads >= 8 * _num_sms(torch.device(device))
+    return num_seqs * num_kv_heads >= _num_sms(torch.device(device))
 
 
 @functools.lru_cache(maxsize=8)

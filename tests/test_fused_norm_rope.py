@@ -78,6 +78,32 @@ def test_rotary_matches_torch(dtype, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (6, 1, 24)])
+def test_rotary_that_writes_the_kv_cache(dtype, heads, kv_heads, head_dim):
+    # The same rotation, and k and v (strided views of one QKV buffer) stored at
+    # their slots of a paged cache of 4-token blocks; slot -1 (padding) stores nothing.
+    config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, head_dim=head_dim)
+    rope = RotaryEmbedding(config, 64).to(DEVICE)
+    gen = torch.Generator().manual_seed(head_dim + 1)
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype).to(DEVICE)
+    q, k, v = (t.view(5, -1, head_dim) for t in qkv.split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+    positions = torch.tensor([0, 3, 17, 40, 63], device=DEVICE)
+    slots = torch.tensor([9, -1, 0, 22, 5], device=DEVICE)
+    cache = torch.zeros(2, 6, 4, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    q_plain, k_plain = q.clone(), k.clone()
+    fused.rotary_embedding_(q_plain, k_plain, positions, rope.cos, rope.sin)
+    fused.rotary_embedding_(q, k, positions, rope.cos, rope.sin, (v, cache, slots))
+    assert torch.equal(q, q_plain) and torch.equal(k, k_plain)
+    want = torch.zeros_like(cache)
+    real = slots >= 0
+    want[0].view(-1, kv_heads, head_dim)[slots[real]] = k_plain[real]
+    want[1].view(-1, kv_heads, head_dim)[slots[real]] = v[real]
+    assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [48, 1500])
 def test_silu_and_mul_matches_torch(dtype, width):
     gen = torch.Generator().manual_seed(width)

@@ -78,8 +78,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = attn.forward(q, k, v, kv_cache, self.scale, self.sliding_window)
+        # The backend rotates q and k (on a GPU with the KV cache write, one kernel).
+        out = attn.forward(q, k, v, kv_cache, self.scale, self.sliding_window,
+                           rotary=self.rotary, positions=positions)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

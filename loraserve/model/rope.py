@@ -75,6 +75,22 @@ class RotaryEmbedding(nn.Module):
             return q, k
         return self.forward_torch(positions, q, k)
 
+    def rotate_and_cache(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward, then k and v stored at ``slot_mapping`` of the paged ``kv_cache``
+        (CUDA): one kernel for both when the whole head dim rotates."""
+        from loraserve.kernels.fused_norm_rope import rotary_embedding_
+        from loraserve.kernels.paged_attention import write_kv_cache
+
+        if self.rotary_dim == q.shape[-1]:
+            rotary_embedding_(q, k, positions, self.cos, self.sin, (v, kv_cache, slot_mapping))
+            return q, k
+        q, k = self.forward_torch(positions, q, k)
+        write_kv_cache(k, v, kv_cache, slot_mapping)
+        return q, k
+
     def forward_torch(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

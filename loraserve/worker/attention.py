@@ -74,7 +74,12 @@ class TorchPagedAttention:
         kv_cache: torch.Tensor,
         scale: float,
         sliding_window: int | None,
+        rotary=None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``rotary`` (a RotaryEmbedding) rotates q and k at ``positions`` first."""
+        if rotary is not None:
+            q, k = rotary(positions, q, k)
         meta = self.meta
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
@@ -119,13 +124,18 @@ class TritonPagedAttention:
         kv_cache: torch.Tensor,
         scale: float,
         sliding_window: int | None,
+        rotary=None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from loraserve.kernels.paged_attention import paged_attention, write_kv_cache
 
         meta = self.meta
         # q, k and v are strided views of the QKV output; the kernels take strides,
-        # so no copies.
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        # so no copies. The rotary kernel stores k and v in the cache as it goes.
+        if rotary is not None:
+            q, k = rotary.rotate_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping)
+        else:
+            write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         paged_attention(
             q, kv_cache, out, meta.query_start_loc_t, meta.seq_lens_t,

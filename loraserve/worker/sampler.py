@@ -83,17 +83,19 @@ class Sampler:
 
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledBatch:
-        logits = logits.float()
         num_logprobs = [r.params.logprobs for r in rows]
-        raw_logprobs = (
-            torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_logprobs)
-            else None
-        )
+        all_greedy = all(r.params.greedy for r in rows)
+        wants_logprobs = any(n is not None for n in num_logprobs)
+        penalties = any(r.params.uses_penalties for r in rows)
+        if wants_logprobs or penalties or not all_greedy:
+            # Greedy rows alone need only the argmax, the same in the model's dtype.
+            logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         logits = _apply_penalties(logits, rows)
         logits = _mask_stop_tokens(logits, rows)
 
-        greedy_ids = logits.argmax(dim=-1)
-        if all(r.params.greedy for r in rows):
+        greedy_ids = _argmax(logits)
+        if all_greedy:
             token_ids = greedy_ids
         else:
             token_ids = torch.where(
@@ -142,6 +144,20 @@ class Sampler:
             if row.generator is not None:
                 q[i].exponential_(generator=row.generator)
         return (probs / q).argmax(dim=-1)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1) (the first of equal maxima), in two passes when the
+    vocabulary splits evenly: one reduce over [B, V] has only B rows to spread
+    over the GPU (27 µs for 32 x 128256 on an H200), one over [B * 64, V / 64]
+    rows fills it."""
+    rows, vocab = logits.shape
+    chunks = 64
+    if not logits.is_cuda or vocab % chunks or vocab < 64 * chunks:
+        return logits.argmax(dim=-1)
+    best, where = logits.view(rows, chunks, vocab // chunks).max(dim=-1)
+    chunk = best.argmax(dim=-1, keepdim=True)
+    return (chunk * (vocab // chunks) + where.gather(1, chunk)).squeeze(1)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
