@@ -68,22 +68,13 @@ def _attention(block_n: int, warps: int, stages: int):
 VARIANTS = {
     "default": ({}, {}, {}),
     "no_fused_silu": (NO_FUSE, {}, {}),
-    "prefetch_cols_512": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 512}),
-    "prefetch_cols_0": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 0}),
+    "attn_2_splits": ({}, {}, {(pa, "MAX_SPLITS"): 2, (pa, "_num_sms"): lambda device: 512}),
     "attn_64_2": ({}, {}, {(pa, "pick_config"): _attention(64, 4, 2)}),
-    "attn_1_split": ({}, {}, {(pa, "MAX_SPLITS"): 1}),
-    "silu_bk64_s4": ({}, {GATE_UP_SILU: _cfg(128, 64, 1)}, {}),
-    "silu_bk128_s3": ({}, {GATE_UP_SILU: _cfg(128, 128, 1, stages=3)}, {}),
-    "silu_bn256_bk64_s3": ({}, {GATE_UP_SILU: _cfg(256, 64, 1, warps=8, stages=3)}, {}),
     "down_bn64": ({}, {DOWN: _cfg(64, 128, 4)}, {}),
-    "down_bk64_s6": ({}, {DOWN: _cfg(128, 64, 4, stages=6)}, {}),
-    "down_w8": ({}, {DOWN: _cfg(128, 128, 4, warps=8)}, {}),
-    "o_split2": ({}, {O_PROJ: _cfg(64, 128, 2)}, {}),
-    "o_bn128": ({}, {O_PROJ: _cfg(128, 128, 4)}, {}),
-    "o_bk64_s6": ({}, {O_PROJ: _cfg(64, 64, 4, stages=6)}, {}),
-    "qkv_ours_split2": ({}, {QKV: _cfg(64, 128, 2)}, {}),
-    "qkv_ours_bn128": ({}, {QKV: _cfg(128, 128, 4)}, {}),
-    "qkv_ours_bk64": ({}, {QKV: _cfg(64, 64, 4, stages=6)}, {}),
+    "o_bn64_s3": ({}, {O_PROJ: _cfg(64, 128, 4, stages=3)}, {}),
+    "silu_bk128_s5": ({}, {GATE_UP_SILU: _cfg(128, 128, 1, stages=5)}, {}),
+    "silu_bk256_s2": ({}, {GATE_UP_SILU: _cfg(128, 256, 1, stages=2)}, {}),
+    "prefetch_cols_64": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 64}),
 }
 
 
@@ -188,17 +179,44 @@ def engine_loop(llm: LLM, steps: int, traced: dict) -> dict:
     """Real engine steps (the engine's own graphs, default switches): wall time a
     step against a replay of its graph, and the device work a step does outside
     the graph (input copies, sampling), from a profile of a few steps."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
+
+    from loraserve.worker import sampler
 
     engine = llm.engine
     processor = _processor(llm)
     graph_kernels = {k.split(" after ")[0] for t in traced.values() for k in t["kernels"]}
+    # Time the host spends waiting for the device (reading a step's tokens back):
+    # near 0 means the host loop, not the device, sets the pace.
+    blocked = [0.0]
+    real_to_host = sampler.SampledBatch.to_host
+
+    def timed_to_host(self):
+        t0 = time.perf_counter()
+        if self.ready is not None:
+            self.ready.synchronize()
+        blocked[0] += time.perf_counter() - t0
+        return real_to_host(self)
+
+    sampler.SampledBatch.to_host = timed_to_host
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         processor.process_outputs(engine.step().outputs)
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    sampler.SampledBatch.to_host = real_to_host
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps // 2):
+        processor.process_outputs(engine.step().outputs)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
     profiled = 5
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(profiled):
@@ -225,6 +243,8 @@ def engine_loop(llm: LLM, steps: int, traced: dict) -> dict:
     window = (busy[-1][1] - busy[0][0]) if busy else 0.0
     return {
         "wall_ms_per_step": wall_ms,
+        "host_blocked_ms_per_step": blocked[0] * 1e3 / steps,
+        "host_profile": text.getvalue().splitlines()[:60],
         "device_busy_fraction": union / window if window else None,
         "outside_graph_us_per_step": dict(sorted(outside.items(), key=lambda kv: -kv[1])[:15]),
     }

@@ -442,6 +442,10 @@ def choose_num_splits(
     cfg = pick_config(mql, group, head_dim, dtype, _crowded(num_seqs, num_kv_heads, device))
     tiles = num_seqs if mql <= cfg.block_q else max(num_seqs, num_tokens // cfg.block_q)
     work = max(1, tiles * num_kv_heads)
+    if work >= _num_sms(torch.device(device)):
+        # A program per SM already: a split costs its merge and gains little
+        # (batch-32 decode of the 8B shape on the H200, benchmarks/RESULTS.md).
+        return 1
     # About two programs per SM: more splits cost more in the merge than they
     # gain in loads in flight (measured on an H200, benchmarks/RESULTS.md).
     target = 2 * _num_sms(torch.device(device))
