@@ -64,17 +64,20 @@ def _attention(block_n: int, warps: int, stages: int):
     return pick
 
 
-# name -> (environment, {dense table key: entry}, {(module, attribute): value})
+# name -> (environment, {dense table key: entry}, {(module, attribute): value}):
+# the switches, and configs tried against the defaults (benchmarks/RESULTS.md).
 VARIANTS = {
     "default": ({}, {}, {}),
     "no_fused_silu": (NO_FUSE, {}, {}),
+    "no_pdl": ({"LORASERVE_PDL": "0"}, {}, {}),
     "attn_2_splits": ({}, {}, {(pa, "MAX_SPLITS"): 2, (pa, "_num_sms"): lambda device: 512}),
     "attn_64_2": ({}, {}, {(pa, "pick_config"): _attention(64, 4, 2)}),
+    "prefetch_cols_0": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 0}),
+    "prefetch_cols_512": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 512}),
+    "silu_bk128_s5": ({}, {GATE_UP_SILU: _cfg(128, 128, 1, stages=5)}, {}),
     "down_bn64": ({}, {DOWN: _cfg(64, 128, 4)}, {}),
     "o_bn64_s3": ({}, {O_PROJ: _cfg(64, 128, 4, stages=3)}, {}),
-    "silu_bk128_s5": ({}, {GATE_UP_SILU: _cfg(128, 128, 1, stages=5)}, {}),
-    "silu_bk256_s2": ({}, {GATE_UP_SILU: _cfg(128, 256, 1, stages=2)}, {}),
-    "prefetch_cols_64": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 64}),
+    "qkv_ours": ({}, {QKV: _cfg(64, 128, 2)}, {}),
 }
 
 
