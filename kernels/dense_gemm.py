@@ -25,10 +25,10 @@ writes y and puts the counter back to 0 for the next call or graph replay.
 With PDL (kernels/pdl.py) a program first prefetches the start of its weight
 rows into L2, then waits for the previous kernel.
 
-CUDA graphs: the counters live in one zeroed buffer per device, made on the
-first call (the eager warm-up before a capture); the workspace comes from the
-caching allocator, so from the graph's pool when captured. Launches that share
-the buffer must run one after another, on one stream.
+CUDA graphs: the counters live in one zeroed buffer per device
+(kernels/counters.py), made on the first call (the eager warm-up before a
+capture); the workspace comes from the caching allocator, so from the graph's
+pool when captured.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from .activation import silu_mul
+from .counters import counter_buffer
 from .lora_config import dense_config, dense_tuned, has_dense_table, token_block
 from .pdl import gdc_launch_dependents, gdc_wait, l2_prefetch, pdl_args
 
@@ -53,7 +54,6 @@ MAX_TOKENS = 64
 PREFETCH_COLUMNS = 128
 # Counters for this many column tiles (N / BLOCK_N of any split launch).
 _MAX_LOCKS = 8192
-_locks: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -195,12 +195,7 @@ def use_kernel(num_tokens: int, n: int, k: int) -> bool:
 
 
 def _lock_buffer(device: torch.device) -> torch.Tensor:
-    locks = _locks.get(device)
-    if locks is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("dense_linear: call it once outside graph capture first")
-        locks = _locks[device] = torch.zeros(_MAX_LOCKS, dtype=torch.int32, device=device)
-    return locks
+    return counter_buffer("dense_linear", device, _MAX_LOCKS)
 
 
 def use_fused_silu_and_mul(num_tokens: int) -> bool:

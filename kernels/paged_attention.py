@@ -63,18 +63,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .counters import counter_buffer
 from .pdl import pdl_args, pdl_begin
 
 # Split-KV partials are kept for at most this many (token, split) pairs, which
 # bounds the workspace; batches that big fill the GPU without splitting anyway.
 MAX_SPLIT_ROWS = 512
 MAX_SPLITS = 32
-# Split counters, one per (query tile, KV head) of a split launch: at most
-# MAX_SPLIT_ROWS tokens and as many sequences, 64 KV heads. One buffer per device,
-# made on the first split launch (the eager warm-up before a capture); launches
-# that share it run one after another, on one stream.
+# Split counters (kernels/counters.py), one per (query tile, KV head) of a split
+# launch: at most MAX_SPLIT_ROWS tokens and as many sequences, 64 KV heads.
 _MAX_LOCKS = 2 * MAX_SPLIT_ROWS * 64
-_locks: dict[torch.device, torch.Tensor] = {}
 # Sequences scanned per step when a tile looks up its sequence.
 _SEARCH_BLOCK = 128
 _LOG2E = 1.4426950408889634
@@ -463,12 +461,7 @@ def make_workspace(num_q_heads: int, head_dim: int, device: torch.device | str) 
 
 
 def _lock_buffer(device: torch.device) -> torch.Tensor:
-    locks = _locks.get(device)
-    if locks is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("paged_attention: run a split launch once outside graph capture")
-        locks = _locks[device] = torch.zeros(_MAX_LOCKS, dtype=torch.int32, device=device)
-    return locks
+    return counter_buffer("paged_attention", device, _MAX_LOCKS)
 
 
 def write_kv_cache(

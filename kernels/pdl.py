@@ -10,9 +10,8 @@ the kernels before it write (the decode GEMM prefetches its weights), and then
 waits (``gdc_wait``) until the previous kernel has finished and its writes are
 visible. Every write and every read of an activation comes after that wait.
 
-``l2_prefetch(ptrs)`` pulls lines of weights into L2 before that wait: weights
-are no kernel's output, so a kernel may read them early, and a step's
-latency-bound kernels leave the DRAM idle while they wait.
+``l2_prefetch(ptrs)`` starts pulling lines into L2 without waiting for them:
+the decode GEMM asks for the start of its weight rows before that wait.
 
 ``pdl_args(device)`` gives the launch arguments: the kernel's PDL constexpr and
 Triton's ``launch_pdl``, always equal (a kernel launched early that does not
