@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -35,6 +34,7 @@ from loraserve.kernels import dense_gemm, lora_config
 from loraserve.kernels import paged_attention as pa
 from offline import machine, make_prompts
 
+from kernels import replay_ms  # benchmarks/kernels.py
 from loraserve import LLM, SamplingParams
 from loraserve.engine.output_processor import OutputProcessor
 
@@ -121,21 +121,6 @@ def capture_step(graphs) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     with torch.cuda.graph(graph, pool=graphs.pool):
         logits = graphs._forward(BATCH, case)
     return graph, logits
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, rounds: int = 7, reps: int = 20) -> float:
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return statistics.median(times)
 
 
 def short_name(name: str) -> str:
@@ -297,7 +282,7 @@ def main() -> None:
         env, table, attrs = VARIANTS[name]
         with variant(env, table, attrs):
             graph, logits = capture_step(graphs)
-            ms = replay_ms(graph)
+            ms = replay_ms(graph, rounds=7, reps=20)
             out = logits.float()
             if first_logits is None:
                 first_logits = out.clone()

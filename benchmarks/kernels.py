@@ -83,6 +83,23 @@ def capture_graph(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, rounds: int = 1, reps: int = 50) -> float:
+    """ms of one replay of a captured graph: the median over ``rounds`` of ``reps``
+    back-to-back replays (after one replay to warm up)."""
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
 def median_replay_ms(fn, reps: int = 20) -> float:
     """Median ms of one replay of a graph that runs ``fn`` once, each replay timed
     alone with events (a few replays first)."""

@@ -19,22 +19,15 @@ from pathlib import Path
 import torch
 from offline import machine, make_prompts
 
+from kernels import replay_ms  # benchmarks/kernels.py
 from loraserve import LLM, SamplingParams
 from loraserve.engine.output_processor import OutputProcessor
 
 
-def graph_replay_ms(llm: LLM, batch: int, reps: int = 50) -> float:
+def graph_replay_ms(llm: LLM, batch: int) -> float:
     graphs = llm.engine.runner.graphs
     graph, _ = graphs.graphs[(graphs.padded_size(batch), graphs.cases[0])]
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    return replay_ms(graph)
 
 
 def main() -> None:

@@ -57,18 +57,23 @@ def test_rms_norm_with_and_without_residual(dtype, hidden):
     torch.testing.assert_close(got, want, **tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (6, 1, 24)])
-def test_rotary_matches_torch(dtype, heads, kv_heads, head_dim):
+def rope_inputs(dtype, heads, kv_heads, head_dim, seed):
+    """A rotary table for 64 positions, and q, k, v [5, heads, D] as strided views
+    of one QKV buffer, with their positions."""
     config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, head_dim=head_dim)
     rope = RotaryEmbedding(config, 64).to(DEVICE)
-    gen = torch.Generator().manual_seed(head_dim)
+    gen = torch.Generator().manual_seed(seed)
     qkv = torch.randn(5, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype).to(DEVICE)
-    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q = q.view(5, heads, head_dim)
-    k = k.view(5, kv_heads, head_dim)
-    positions = torch.tensor([0, 3, 17, 40, 63], device=DEVICE)
+    q, k, v = (t.view(5, -1, head_dim) for t in qkv.split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+    return rope, q, k, v, torch.tensor([0, 3, 17, 40, 63], device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (6, 1, 24)])
+def test_rotary_matches_torch(dtype, heads, kv_heads, head_dim):
+    rope, q, k, _, positions = rope_inputs(dtype, heads, kv_heads, head_dim, seed=head_dim)
     want_q, want_k = rope.forward_torch(positions, q, k)
     q2, k2 = q.clone(), k.clone()
     fused.rotary_embedding_(q2, k2, positions, rope.cos, rope.sin)
@@ -82,14 +87,7 @@ def test_rotary_matches_torch(dtype, heads, kv_heads, head_dim):
 def test_rotary_that_writes_the_kv_cache(dtype, heads, kv_heads, head_dim):
     # The same rotation, and k and v (strided views of one QKV buffer) stored at
     # their slots of a paged cache of 4-token blocks; slot -1 (padding) stores nothing.
-    config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, head_dim=head_dim)
-    rope = RotaryEmbedding(config, 64).to(DEVICE)
-    gen = torch.Generator().manual_seed(head_dim + 1)
-    qkv = torch.randn(5, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype).to(DEVICE)
-    q, k, v = (t.view(5, -1, head_dim) for t in qkv.split(
-        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
-    positions = torch.tensor([0, 3, 17, 40, 63], device=DEVICE)
+    rope, q, k, v, positions = rope_inputs(dtype, heads, kv_heads, head_dim, seed=head_dim + 1)
     slots = torch.tensor([9, -1, 0, 22, 5], device=DEVICE)
     cache = torch.zeros(2, 6, 4, kv_heads, head_dim, dtype=dtype, device=DEVICE)
     q_plain, k_plain = q.clone(), k.clone()
