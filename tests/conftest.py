@@ -11,6 +11,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("LORASERVE_NO_PROGRESS", "1")
+if not torch.cuda.is_available():
+    # The Triton kernels run in the interpreter on a CPU box. Triton decides
+    # interpreter or compiler as it decorates (its own library too), so set it
+    # before any test file imports triton, whichever order the files run in.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from utils import make_peft_adapter, make_tiny_model  # noqa: E402
 
