@@ -41,12 +41,6 @@ from loraserve.engine.output_processor import OutputProcessor
 BATCH = 32
 
 
-def _default_dense(key: str) -> dict:
-    # The kernel's default config for a table key T{t}_N{n}_K{k}.
-    t, n, k = (int(v) for v in re.findall(r"\d+", key))
-    return lora_config.default_dense_config(t, n, k)
-
-
 def _cfg(block_n, block_k, split, warps=4, stages=4) -> dict:
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": warps,
             "num_stages": stages}
@@ -89,7 +83,7 @@ def variant(env: dict, table: dict, attrs: dict):
     saved_attrs = {key: getattr(*key) for key in attrs}
     os.environ.update(env)
     for key, entry in table.items():
-        dense[key] = _default_dense(key) if entry == "default" else entry
+        dense[key] = entry
     for (module, name), value in attrs.items():
         setattr(module, name, value)
     lora_config.dense_tuned.cache_clear()
