@@ -91,10 +91,10 @@ def reference(
     return out, cache
 
 
-def run_kernels(pa, b, scale, window=None, out=None, **kw):
-    """write_kv_cache then paged_attention of module `pa` on batch b; returns
-    (out, cache). `pa` is passed in because the CPU tests reload it for the
-    interpreter."""
+def run_kernels(b, scale, window=None, out=None, **kw):
+    """The Triton write_kv_cache then paged_attention on batch b; returns (out, cache)."""
+    from loraserve.kernels import paged_attention as pa
+
     cache = b["cache"].clone()
     pa.write_kv_cache(b["k"], b["v"], cache, b["slot_mapping"])
     out = torch.full_like(b["q"], float("nan")) if out is None else out

@@ -1,25 +1,15 @@
 """CPU tests of the decode GEMM (loraserve.kernels.dense_gemm) under TRITON_INTERPRET=1.
 GPU tests: test_dense_gemm_gpu.py."""
 
-import importlib
 import json
-import os
 
 import pytest
 import torch
 
-# Set before the kernel is decorated (see test_kernels.py).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+# On a CPU box conftest.py has put Triton in interpreter mode before any import.
 pytest.importorskip("triton")
 
 from loraserve.kernels import dense_gemm  # noqa: E402
-
-if not torch.cuda.is_available() and type(dense_gemm._dense_kernel).__name__ != (
-    "InterpretedFunction"
-):
-    dense_gemm = importlib.reload(dense_gemm)
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU interpreter tests; the GPU has test_dense_gemm_gpu.py"

@@ -1,16 +1,12 @@
 """The fused RMSNorm, rotary and SiLU-and-multiply kernels against the model's
 torch code (CPU, under TRITON_INTERPRET=1; on a GPU the same tests run compiled)."""
 
-import importlib
 import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Set before triton decorates the kernels (see test_paged_attention.py).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+# On a CPU box conftest.py has put Triton in interpreter mode before any import.
 pytest.importorskip("triton")
 
 from loraserve.kernels import activation  # noqa: E402
@@ -19,12 +15,6 @@ from transformers import LlamaConfig  # noqa: E402
 
 from loraserve.model.llama import RMSNorm  # noqa: E402
 from loraserve.model.rope import RotaryEmbedding  # noqa: E402
-
-if not torch.cuda.is_available() and type(fused._rope_kernel).__name__ != "InterpretedFunction":
-    fused = importlib.reload(fused)
-if (not torch.cuda.is_available()
-        and type(activation._silu_and_mul_kernel).__name__ != "InterpretedFunction"):
-    activation = importlib.reload(activation)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

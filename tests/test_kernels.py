@@ -1,30 +1,13 @@
 """CPU tests of the Triton LoRA op under TRITON_INTERPRET=1 (GPU tests: test_kernels_gpu.py)."""
 
-import importlib
-import os
-
 import pytest
 import torch
 
-# Triton decides interpreter-or-compiler when a kernel is decorated, so the
-# variable must be set before loraserve.kernels is imported. Only without CUDA:
-# the whole suite shares one process and GPU tests need the real compiler.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+# On a CPU box conftest.py has put Triton in interpreter mode before any import.
 pytest.importorskip("triton")
 
 from loraserve.kernels import activation, lora_activation, lora_ops  # noqa: E402
 from loraserve.kernels.lora_meta import LoRAMetadata, build_lora_metadata  # noqa: E402
-
-if not torch.cuda.is_available() and type(lora_ops._lora_shrink_kernel).__name__ != (
-    "InterpretedFunction"
-):
-    # Imported earlier in this process before the variable was set: decorate again
-    # (lora_activation after lora_ops, whose kernel helpers it calls).
-    lora_ops = importlib.reload(lora_ops)
-    lora_activation = importlib.reload(lora_activation)
-    activation = importlib.reload(activation)
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU interpreter tests; the GPU has test_kernels_gpu.py"

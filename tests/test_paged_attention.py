@@ -1,25 +1,13 @@
 """CPU tests of the Triton paged attention under TRITON_INTERPRET=1 (GPU: *_gpu.py)."""
 
-import importlib
-import os
-
 import pytest
 import torch
 
-# Triton picks interpreter or compiler when a kernel is decorated, so the
-# variable must be set before the module is imported; only without CUDA, since
-# the whole suite shares one process and GPU tests need the real compiler.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+# On a CPU box conftest.py has put Triton in interpreter mode before any import.
 pytest.importorskip("triton")
 
 from loraserve.kernels import paged_attention as pa  # noqa: E402
 from paged_attention_utils import make_batch, reference, run_kernels  # noqa: E402
-
-if not torch.cuda.is_available() and type(pa._attn_kernel).__name__ != "InterpretedFunction":
-    # Imported earlier in this process before the variable was set: decorate again.
-    pa = importlib.reload(pa)
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU interpreter tests; the GPU has the _gpu file"
@@ -27,7 +15,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def run_kernel(b, scale, window, **kw):
-    return run_kernels(pa, b, scale, window, **kw)
+    return run_kernels(b, scale, window, **kw)
 
 
 def check(b, window=None, atol=1e-5, **kw):

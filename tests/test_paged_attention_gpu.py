@@ -17,7 +17,7 @@ TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
 
 def run(b, window=None, out=None, **kw):
-    return run_kernels(pa, b, b["q"].shape[-1] ** -0.5, window, out, **kw)
+    return run_kernels(b, b["q"].shape[-1] ** -0.5, window, out, **kw)
 
 
 def check(b, window=None, **kw):
