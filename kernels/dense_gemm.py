@@ -68,7 +68,6 @@ def _dense_kernel(
     N,
     K,
     k_per_split,
-    pair_offset,
     stride_xm,
     stride_wn,
     stride_ym,
@@ -105,12 +104,12 @@ def _dense_kernel(
             pf_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + cols[None, :]
             l2_prefetch(tl.where(pf_ok, pf_ptrs, w_ptr))
             if SILU_MUL:
-                l2_prefetch(tl.where(pf_ok, pf_ptrs + pair_offset * stride_wn, w_ptr))
+                l2_prefetch(tl.where(pf_ok, pf_ptrs + N * stride_wn, w_ptr))
         gdc_wait()
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k_lo + offs_k)[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    # With SILU_MUL the program also owns the up rows pair_offset below its gate rows.
+    # With SILU_MUL N is I, and the program also owns the up rows N below its gate rows.
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(0, k_per_split, BLOCK_K):
         k_ok = (k_lo + k + offs_k) < K
@@ -121,13 +120,13 @@ def _dense_kernel(
         w = _weight_tile(w_ptrs, n_ok, k_ok, EVEN_K, EVEN_N)
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)
         if SILU_MUL:
-            w_up = _weight_tile(w_ptrs + pair_offset * stride_wn, n_ok, k_ok, EVEN_K, EVEN_N)
+            w_up = _weight_tile(w_ptrs + N * stride_wn, n_ok, k_ok, EVEN_K, EVEN_N)
             acc_up = tl.dot(w_up, xt, acc_up, input_precision=PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
     if SPLIT_K == 1:
-        _dense_epilogue(acc, acc_up, b_ptr, y_ptr, offs_n, offs_m, n_ok, m_ok, pair_offset,
+        _dense_epilogue(acc, acc_up, b_ptr, y_ptr, offs_n, offs_m, n_ok, m_ok, N,
                         stride_ym, SILU_MUL, HAS_BIAS)
     else:
         # Workspace [SPLIT_K, column tiles, 1 or 2 (gate, up), BLOCK_N, BLOCK_M], fp32.
@@ -152,7 +151,7 @@ def _dense_kernel(
                 if SILU_MUL:
                     total_up += tl.load(part + tile, cache_modifier=".cg")
             _dense_epilogue(total, total_up, b_ptr, y_ptr, offs_n, offs_m, n_ok, m_ok,
-                            pair_offset, stride_ym, SILU_MUL, HAS_BIAS)
+                            N, stride_ym, SILU_MUL, HAS_BIAS)
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
@@ -167,7 +166,7 @@ def _weight_tile(ptrs, n_ok, k_ok, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
 
 
 @triton.jit
-def _dense_epilogue(acc, acc_up, b_ptr, y_ptr, offs_n, offs_m, n_ok, m_ok, pair_offset,
+def _dense_epilogue(acc, acc_up, b_ptr, y_ptr, offs_n, offs_m, n_ok, m_ok, N,
                     stride_ym, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Bias, then y (or silu(gate) * up, each rounded first as the unfused layers
     round their outputs) for one [BLOCK_N, BLOCK_M] tile of y.T."""
@@ -176,7 +175,7 @@ def _dense_epilogue(acc, acc_up, b_ptr, y_ptr, offs_n, offs_m, n_ok, m_ok, pair_
     out = acc.to(y_ptr.dtype.element_ty)
     if SILU_MUL:
         if HAS_BIAS:
-            bias_up = tl.load(b_ptr + pair_offset + offs_n, mask=n_ok, other=0.0)
+            bias_up = tl.load(b_ptr + N + offs_n, mask=n_ok, other=0.0)
             acc_up += bias_up.to(tl.float32)[:, None]
         out = silu_mul(out, acc_up.to(y_ptr.dtype.element_ty))
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -247,7 +246,7 @@ def dense_linear(
         ws = locks = y  # unused
     _dense_kernel[(n_tiles, split)](
         x, weight, bias if bias is not None else y, y, ws, locks,
-        num_tokens, n, k, k_per_split, n, x.stride(0), weight.stride(0), y.stride(0),
+        num_tokens, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, SPLIT_K=split, EVEN_K=k % (split * block_k) == 0,
         EVEN_N=n % block_n == 0,

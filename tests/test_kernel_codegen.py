@@ -107,7 +107,7 @@ for silu in (False, True):
         dense_gemm._dense_kernel,
         {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16",
          "ws_ptr": "*fp32", "lock_ptr": "*i32"},
-        {"N", "K", "k_per_split", "pair_offset", "stride_xm", "stride_wn", "stride_ym"},
+        {"N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym"},
         dict(SILU_MUL=silu, HAS_BIAS=False, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4,
              EVEN_K=True, EVEN_N=True, PRECISION="tf32", PDL=True, PREFETCH_K=512))
 print(json.dumps(out))
