@@ -16,6 +16,11 @@ head ``h // (Hq // Hk)``. One launch covers the whole batch, whatever its mix of
 prefill, chunked prefill and decode sequences; rows of ``out`` for tokens past
 ``query_start_loc[B]`` carry no meaning.
 
+Decode steps can pass ``new_kv=NewKV(k, v, positions, cos, sin, slot_mapping)``
+with q and k unrotated: the same launch then rotates them, stores k and v in the
+cache and attends the new key from registers, in place of the rotary kernel
+and ``write_kv_cache`` before it (one launch a layer fewer).
+
 How it runs
 -----------
 A program owns one tile of up to BLOCK_Q query tokens of one sequence and one
@@ -190,6 +195,14 @@ def _attend(
 
 
 @triton.jit
+def _rotate_half(x, x_half, cos, sin, sign):
+    """x * cos + rotate_half(x) * sin in fp32, rounded to x's dtype, as the rotary
+    kernel (kernels/fused_norm_rope.py) computes it; x_half is x at d +- D/2."""
+    rotated = x.to(tl.float32) * cos + (sign * x_half.to(tl.float32)) * sin
+    return rotated.to(x.dtype)
+
+
+@triton.jit
 def _attn_kernel(
     q_ptr,
     kc_ptr,
@@ -201,12 +214,23 @@ def _attn_kernel(
     qsl_ptr,
     seq_lens_ptr,
     bt_ptr,
+    knew_ptr,
+    vnew_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
     num_seqs,
     num_splits,
     qk_scale,
     window,
     stride_qt,
     stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cos,
     stride_ot,
     stride_oh,
     stride_cb,
@@ -231,6 +255,8 @@ def _attn_kernel(
     EVEN_D: tl.constexpr,
     IEEE: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
+    NEW_KV: tl.constexpr,
+    HALF: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
@@ -274,6 +300,37 @@ def _attn_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    if NEW_KV:
+        # Decode with the rotary and the KV write fused in: q and this token's k
+        # arrive unrotated. Rotate both as the rotary kernel does, store k and v
+        # at the token's slot (one split does), and keep them for the last key.
+        pos = tl.load(pos_ptr + q_start)
+        partner = tl.where(d < HALF, d + HALF, d - HALF)
+        sign = tl.where(d < HALF, -1.0, 1.0)
+        cos = tl.load(cos_ptr + pos * stride_cos + d, mask=d_ok, other=0.0)
+        sin = tl.load(sin_ptr + pos * stride_cos + d, mask=d_ok, other=0.0)
+        q_half = tl.load(
+            q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+            + partner[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        q = _rotate_half(q, q_half, cos[None, :], sin[None, :], sign[None, :])
+        k_row = knew_ptr + q_start * stride_kt + kvh * stride_kh
+        k_new = _rotate_half(tl.load(k_row + d, mask=d_ok, other=0.0),
+                             tl.load(k_row + partner, mask=d_ok, other=0.0), cos, sin, sign)
+        v_new = tl.load(vnew_ptr + q_start * stride_vt + kvh * stride_vh + d, mask=d_ok,
+                        other=0.0)
+        slot = tl.load(slot_ptr + q_start).to(tl.int64)
+        if split == 0:
+            # Padding tokens (slot -1) store nothing. A full-block mask: a
+            # scalar term upsets the interpreter.
+            safe = tl.maximum(slot, 0)
+            dst = (safe // BLOCK_SIZE) * stride_cb + (safe % BLOCK_SIZE) * stride_cs
+            dst = dst + kvh * stride_ch + d
+            st_ok = d_ok & ((d * 0 + slot) >= 0)
+            tl.store(kc_ptr + dst, k_new.to(kc_ptr.dtype.element_ty), mask=st_ok)
+            tl.store(vc_ptr + dst, v_new.to(vc_ptr.dtype.element_ty), mask=st_ok)
 
     # Keys this tile can see: up to its last query, from the window's start.
     kv_hi = ctx_len + tl.minimum(q_len, q_tile_start + BLOCK_Q)
@@ -304,11 +361,30 @@ def _attn_kernel(
     if ONE_TILE_PER_SEQ:
         # Decode: a few key tiles per program, so the loads of one loop's first
         # tile are exposed latency. One masked loop pays that once, not three times.
+        # With NEW_KV the split that ends at the sequence's end takes its last
+        # key from registers, not from the cache.
+        cached_hi = kv_hi
+        if NEW_KV:
+            owns_new = (kv_lo < kv_hi) & (kv_hi == seq_len)
+            cached_hi = kv_hi - owns_new.to(tl.int32)
         acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, q_pos, kv_lo, kv_hi, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
-            qk_scale, window, stride_cb, stride_cs,
+            acc, m_i, l_i, q, q_pos, kv_lo, cached_hi, bt_row, kc_ptr, vc_ptr, kv_off, d,
+            d_ok, qk_scale, window, stride_cb, stride_cs,
             BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
         )  # fmt: skip
+        if NEW_KV:
+            if owns_new:
+                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1)
+                # Padding rows (position -1) see no key.
+                s_new = tl.where(q_pos == seq_len - 1, s_new * qk_scale, float("-inf"))
+                m_new = tl.maximum(m_i, s_new)
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s_new - m_new)
+                l_i = l_i * alpha + p
+                # p rounded to v's dtype, as the key loop's second dot takes it.
+                pv = p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
     else:
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, kv_lo, f_lo, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
@@ -364,6 +440,21 @@ def _attn_kernel(
     else:
         dst = out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=st_mask)
+
+
+@dataclass(frozen=True)
+class NewKV:
+    """A decode step's own keys and values, for ``paged_attention(..., new_kv=)``:
+    k and v [T, Hk, D] as the QKV projection gives them (k not yet rotated), the
+    tokens' positions, the rotary's fp32 cos/sin tables [max_pos, D] (rotate-half
+    convention, all of D rotated) and their cache slots (-1: padding)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -510,6 +601,7 @@ def paged_attention(
     workspace: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: AttentionConfig | None = None,
+    new_kv: NewKV | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of ``q`` [T, Hq, D] over the paged cache; fills ``out``.
 
@@ -519,6 +611,12 @@ def paged_attention(
     ``workspace_numel(Hq, D)`` elements, needed (for graph capture) when the
     launch splits the keys; without one a split launch allocates its own.
     ``num_splits`` and ``config`` override the defaults (tests, tuning).
+
+    ``new_kv`` (decode only: one query token per sequence): q arrives unrotated,
+    and the launch also does the rotary and the KV write. It rotates q and the
+    new k, stores k and v at their slots and takes the last key from registers,
+    so the rotary kernel's launch goes (``rotary_embedding_`` then
+    ``write_kv_cache`` then this, in one kernel).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
@@ -553,6 +651,18 @@ def paged_attention(
         locks = _lock_buffer(q.device)
     else:
         ws_o = ws_lse = locks = out  # unused by the kernel
+    if new_kv is None:
+        knew = vnew = pos = cos = sin = slots = q  # unused by the kernel
+        kv_strides = (0, 0, 0, 0, 0)
+    else:
+        knew, vnew, pos, slots = new_kv.k, new_kv.v, new_kv.positions, new_kv.slot_mapping
+        cos, sin = new_kv.cos, new_kv.sin
+        assert mql == 1, "new_kv: decode batches only (one query token a sequence)"
+        assert knew.shape == vnew.shape == (num_tokens, num_kv_heads, head_dim)
+        assert knew.stride(2) == 1 and vnew.stride(2) == 1 and cos.stride(1) == 1
+        assert cos.shape[1] == head_dim and head_dim % 2 == 0
+        kv_strides = (knew.stride(0), knew.stride(1), vnew.stride(0), vnew.stride(1),
+                      cos.stride(0))
     group_p2 = _next_pow2(group)
     block_m = max(16, cfg.block_q * group_p2)
     one_tile = mql <= cfg.block_q
@@ -570,12 +680,19 @@ def paged_attention(
         query_start_loc,
         seq_lens,
         block_tables,
+        knew,
+        vnew,
+        pos,
+        cos,
+        sin,
+        slots,
         num_seqs,
         num_splits,
         scale * _LOG2E,
         sliding_window or 0,
         q.stride(0),
         q.stride(1),
+        *kv_strides,
         out.stride(0),
         out.stride(1),
         kc.stride(0),
@@ -600,6 +717,8 @@ def paged_attention(
         EVEN_D=head_dim == max(16, _next_pow2(head_dim)),
         IEEE=q.dtype == torch.float32,
         SEARCH_BLOCK=_SEARCH_BLOCK,
+        NEW_KV=new_kv is not None,
+        HALF=head_dim // 2,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_args(q.device),

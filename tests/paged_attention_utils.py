@@ -101,3 +101,53 @@ def run_kernels(b, scale, window=None, out=None, **kw):
     pa.paged_attention(b["q"], cache, out, b["query_start_loc"], b["seq_lens"],
                        b["block_tables"], scale, sliding_window=window, **kw)
     return out, cache
+
+
+def pad_like_a_graph(b: dict) -> dict:
+    """b (made with ``pad_tokens``) with each padding token turned into the
+    one-token sequence a padded decode graph gives it: seq_len 1, slot -1."""
+    pads = b["q"].shape[0] - b["real_t"]
+    dev = b["q"].device
+    extra = torch.arange(1, pads + 1, dtype=torch.int32, device=dev) + b["real_t"]
+    rows = torch.zeros(pads, b["block_tables"].shape[1], dtype=torch.int32, device=dev)
+    return dict(
+        b,
+        query_start_loc=torch.cat([b["query_start_loc"], extra]),
+        seq_lens=torch.cat([b["seq_lens"], torch.ones(pads, dtype=torch.int32, device=dev)]),
+        block_tables=torch.cat([b["block_tables"], rows]),
+    )
+
+
+def decode_rotary(b: dict):
+    """For a decode batch b: a rotary table (rotate-half, all of head_dim) long
+    enough for it, and each token's position (its sequence's last; 0 for padding)."""
+    from transformers import LlamaConfig
+
+    from loraserve.model.rope import RotaryEmbedding
+
+    head_dim = b["q"].shape[-1]
+    config = LlamaConfig(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim)
+    rope = RotaryEmbedding(config, max(b["meta"].seq_lens) + 1).to(b["q"].device)
+    positions = torch.zeros(b["q"].shape[0], dtype=torch.long, device=b["q"].device)
+    positions[: b["real_t"]] = torch.tensor(b["meta"].seq_lens, device=positions.device) - 1
+    return rope, positions
+
+
+def rotated(b: dict, rope, positions: torch.Tensor) -> dict:
+    """b with q and k rotated by the model's torch rotary."""
+    q, k = rope.forward_torch(positions, b["q"], b["k"])
+    return dict(b, q=q, k=k)
+
+
+def run_with_new_kv(b, rope, positions, scale, window=None, **kw):
+    """paged_attention doing the rotary and the KV write itself (``new_kv``) on
+    decode batch b; returns (out, cache)."""
+    from loraserve.kernels import paged_attention as pa
+
+    cache = b["cache"].clone()
+    out = torch.full_like(b["q"], float("nan"))
+    new_kv = pa.NewKV(b["k"], b["v"], positions, rope.cos, rope.sin, b["slot_mapping"])
+    pa.paged_attention(b["q"], cache, out, b["query_start_loc"], b["seq_lens"],
+                       b["block_tables"], scale, sliding_window=window, max_query_len=1,
+                       new_kv=new_kv, **kw)
+    return out, cache

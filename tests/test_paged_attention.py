@@ -7,7 +7,15 @@ import torch
 pytest.importorskip("triton")
 
 from loraserve.kernels import paged_attention as pa  # noqa: E402
-from paged_attention_utils import make_batch, reference, run_kernels  # noqa: E402
+from paged_attention_utils import (  # noqa: E402
+    decode_rotary,
+    make_batch,
+    pad_like_a_graph,
+    reference,
+    rotated,
+    run_kernels,
+    run_with_new_kv,
+)
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU interpreter tests; the GPU has the _gpu file"
@@ -129,3 +137,35 @@ def test_long_key_tiles_of_crowded_decode():
     b = make_batch([(300, 1), (129, 1), (5, 1), (255, 1)], 8, 2, 16, 16, seed=11)
     check(b, max_query_len=1, config=cfg, num_splits=1)
     check(b, max_query_len=1, config=cfg, num_splits=2)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_with_the_rotary_and_kv_write_in_the_launch(num_splits, window):
+    # new_kv: q and k arrive unrotated; the launch rotates them, writes k and v at
+    # their slots and attends the new key from registers. Against the torch
+    # rotary then the reference; padding as a decode graph pads (seq_len 1,
+    # slot -1) stores nothing. One 1-token prompt (no cached keys) is in the batch.
+    for block_size, dim in ((4, 32), (16, 24)):
+        b = pad_like_a_graph(make_batch(DECODE, 8, 2, dim, block_size, pad_tokens=3, seed=12))
+        rope, positions = decode_rotary(b)
+        scale = dim**-0.5
+        want, want_cache = reference(rotated(b, rope, positions), scale, window)
+        got, got_cache = run_with_new_kv(b, rope, positions, scale, window,
+                                         num_splits=num_splits)
+        torch.testing.assert_close(got_cache, want_cache, atol=1e-6, rtol=1e-6)
+        rt = b["real_t"]
+        torch.testing.assert_close(got[:rt], want, atol=1e-5, rtol=1e-5)
+    assert int(pa._lock_buffer(torch.device("cpu")).abs().sum()) == 0
+
+
+def test_new_kv_only_for_decode():
+    b = make_batch(MIXED, 4, 2, 16, 16, seed=13)
+    rope, _ = decode_rotary(make_batch(DECODE, 4, 2, 16, 16, seed=13))
+    positions = torch.zeros(b["q"].shape[0], dtype=torch.long)
+    with pytest.raises(AssertionError, match="decode"):
+        pa.paged_attention(b["q"], b["cache"].clone(), torch.empty_like(b["q"]),
+                           b["query_start_loc"], b["seq_lens"], b["block_tables"], 0.25,
+                           max_query_len=b["max_query_len"],
+                           new_kv=pa.NewKV(b["k"], b["v"], positions, rope.cos, rope.sin,
+                                           b["slot_mapping"]))

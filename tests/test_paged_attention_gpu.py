@@ -2,7 +2,15 @@
 
 import pytest
 import torch
-from paged_attention_utils import make_batch, reference, run_kernels
+from paged_attention_utils import (
+    decode_rotary,
+    make_batch,
+    pad_like_a_graph,
+    reference,
+    rotated,
+    run_kernels,
+    run_with_new_kv,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,6 +49,24 @@ def decode_specs(n, seed, max_ctx=2048):
 def test_decode_real_sizes(dtype, batch):
     b = make_batch(decode_specs(batch, batch), HQ, HK, D, BS, dtype, seed=batch, device="cuda")
     check(b, max_query_len=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("batch", [1, 7, 64])
+def test_decode_with_the_rotary_and_kv_write_in_the_launch(dtype, batch):
+    # Batch 1 and 7 split the keys, 64 does not; three padding rows as a graph pads.
+    b = make_batch(decode_specs(batch, batch + 1), HQ, HK, D, BS, dtype, pad_tokens=3,
+                   seed=batch, device="cuda")
+    b = pad_like_a_graph(b)
+    rope, positions = decode_rotary(b)
+    scale = D**-0.5
+    want, want_cache = reference(rotated(b, rope, positions), scale, None, torch.float32)
+    got, got_cache = run_with_new_kv(b, rope, positions, scale)
+    # The rotated k in the cache may differ from torch's by one rounding (FMA).
+    torch.testing.assert_close(got_cache.float(), want_cache, atol=TOL[dtype], rtol=TOL[dtype])
+    rt = b["real_t"]
+    err = (got[:rt].float() - want).abs().max().item()
+    assert err < TOL[dtype], f"max abs error {err}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -8,6 +8,7 @@ behind the same `forward` signature.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -127,12 +128,17 @@ class TritonPagedAttention:
         rotary=None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        from loraserve.kernels.paged_attention import paged_attention, write_kv_cache
+        from loraserve.kernels.paged_attention import NewKV, paged_attention, write_kv_cache
 
         meta = self.meta
         # q, k and v are strided views of the QKV output; the kernels take strides,
-        # so no copies. The rotary kernel stores k and v in the cache as it goes.
-        if rotary is not None:
+        # so no copies.
+        new_kv = None
+        if rotary is not None and fuse_decode_rotary(meta, rotary, q):
+            # Decode: the attention launch rotates q and k and writes the cache.
+            new_kv = NewKV(k, v, positions, rotary.cos, rotary.sin, meta.slot_mapping)
+        elif rotary is not None:
+            # The rotary kernel stores k and v in the cache as it goes.
             q, k = rotary.rotate_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping)
         else:
             write_kv_cache(k, v, kv_cache, meta.slot_mapping)
@@ -140,6 +146,17 @@ class TritonPagedAttention:
         paged_attention(
             q, kv_cache, out, meta.query_start_loc_t, meta.seq_lens_t,
             meta.block_tables_t, scale, sliding_window, max_query_len=meta.max_query_len,
-            workspace=self.workspace,
+            workspace=self.workspace, new_kv=new_kv,
         )
         return out
+
+
+def fuse_decode_rotary(meta: AttentionMetadata, rotary, q: torch.Tensor) -> bool:
+    """Whether the attention launch should do the rotary and the KV write too: decode
+    batches (one query token a sequence) whose rotary turns the whole head.
+    ``LORASERVE_FUSE_ROTARY=0`` keeps the rotary kernel (A/B runs)."""
+    return (
+        meta.max_query_len == 1
+        and rotary.rotary_dim == q.shape[-1]
+        and os.environ.get("LORASERVE_FUSE_ROTARY", "1") != "0"
+    )
