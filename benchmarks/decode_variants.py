@@ -275,11 +275,16 @@ def main() -> None:
     results = {"machine": machine(), "batch": BATCH, "context": args.context, "variants": {}}
     first_logits = None
     traced = {}
+    # A replay feeds the tokens it samples to the next one (graphs.sampled): every
+    # variant's logits are taken from the batch's real inputs, put back first.
+    real_inputs = graphs.step_inputs.clone()
     for name in args.variants:
         env, table, attrs = VARIANTS[name]
         with variant(env, table, attrs):
             graph, logits = capture_step(graphs)
             ms = replay_ms(graph, rounds=7, reps=20)
+            graphs.step_inputs.copy_(real_inputs)
+            graph.replay()
             out = logits.float()
             if first_logits is None:
                 first_logits = out.clone()
@@ -295,6 +300,7 @@ def main() -> None:
         results["variants"][name] = row
         print(name, json.dumps(row), flush=True)
     results["timelines"] = traced
+    graphs.step_inputs.copy_(real_inputs)
     if args.loop_steps:
         results["engine_loop"] = engine_loop(llm, args.loop_steps, traced)
         print(json.dumps(results["engine_loop"], indent=1), flush=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loraserve import LLM, SamplingParams
-from loraserve.worker.sampler import Sampler, SamplingRow
+from loraserve.worker.sampler import Sampler, SamplingRow, argmax
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +122,23 @@ def test_penalties_follow_their_definitions():
     row = SamplingRow(SamplingParams(temperature=0, presence_penalty=0.05), [], [0, 0],
                       None, None)
     assert sampler.sample(logits, [row]).to_host().token_ids == [0]  # 2.0 - 0.05 > 1.9
+
+
+def test_argmax_suffices_only_where_sample_is_the_plain_argmax():
+    # A decode graph takes the argmax itself; its ids stand for sample()'s only
+    # for plain greedy rows.
+    sampler = Sampler(torch.device("cpu"))
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.9], [0.1, 0.3, -2.0, 0.2]])
+    plain = [_row(temperature=0), _row(temperature=0, max_tokens=3)]
+    assert Sampler.argmax_suffices(plain)
+    assert Sampler.from_argmax(argmax(logits)).to_host() == sampler.sample(logits, plain).to_host()
+    # min_tokens holds back EOS (id 0 here), the argmax of the first row.
+    held = SamplingRow(SamplingParams(temperature=0, min_tokens=2), [0], [], 0, None)
+    assert sampler.sample(logits[:1], [held]).to_host().token_ids == [3]
+    assert not Sampler.argmax_suffices([held])
+    for kw in (dict(temperature=1.0), dict(temperature=0, logprobs=1),
+               dict(temperature=0, presence_penalty=0.5)):
+        assert not Sampler.argmax_suffices(plain + [_row(**kw)]), kw
 
 
 def test_top_p_and_min_p_remove_the_tail():

@@ -5,6 +5,14 @@ the smallest captured size >= B. Inputs are copied into static buffers; padded
 rows get slot -1 everywhere (no KV write, no adapter) and a one-token sequence,
 so they compute harmless garbage that nobody reads.
 
+Outside the graph a step is a few copies, and each costs a gap on the device
+(~0.2 ms of a 4.9 ms batch-32 step went to a dozen of them, benchmarks/RESULTS.md).
+So the step's per-token inputs travel in one host-to-device copy of one
+[5, max_bs] buffer (token ids, where each token comes from, positions, slots,
+and the sequence lengths as int32), padding rows filled on the host; the graph
+itself takes the tokens the last step sampled (async scheduling) from the
+`sampled` row beside them, and ends with the greedy argmax, written there.
+
 LoRA cases. vLLM captures every size once per case, [0, max_loras + 1] by
 default, which doubles start-up. Our LoRA kernels launch grids that depend on the
 slot count only, not on how many adapters a batch uses, and they skip tokens of
@@ -26,8 +34,14 @@ from loraserve.worker.attention import (
     TritonPagedAttention,
     block_table_tensor,
 )
+from loraserve.worker.sampler import argmax
 
 logger = logging.getLogger(__name__)
+
+# Rows of the host-written part of DecodeGraphs.step_inputs (row 0 there is
+# `sampled`): token ids first, then these.
+_SOURCE, _POSITIONS, _SLOTS, _SEQ_LENS = range(1, 5)
+_ROWS = 5
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -46,11 +60,20 @@ class DecodeGraphs:
         lora = runner.lora_manager is not None
         specialize = runner.config.specialize_active_lora
         self.cases = [True] if lora and not specialize else ([False, True] if lora else [False])
-        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=dev)
+        # Row 0: the last step's sampled ids (device-written). Rows 1-5 come from the
+        # host in one copy: token ids, each token's source (an index into rows 0-1
+        # flattened: a pending token's row in `sampled`, else its own id), positions,
+        # slots, and the sequence lengths as int32 in the first half of row 5.
+        self.step_inputs = torch.zeros(_ROWS + 1, max_bs, dtype=torch.long, device=dev)
+        self.step_inputs[_SLOTS + 1].fill_(-1)
+        self.step_inputs[_SOURCE + 1] = torch.arange(max_bs, 2 * max_bs, device=dev)
+        self.step_inputs[_SEQ_LENS + 1].view(torch.int32)[:max_bs].fill_(1)
+        self.sampled = self.step_inputs[0]
+        self.token_source = self.step_inputs[_SOURCE + 1]
+        self.positions = self.step_inputs[_POSITIONS + 1]
+        self.slot_mapping = self.step_inputs[_SLOTS + 1]
+        self.seq_lens = self.step_inputs[_SEQ_LENS + 1].view(torch.int32)[:max_bs]
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(max_bs, runner.max_blocks_per_seq, dtype=torch.int32,
                                         device=dev)
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -75,9 +98,13 @@ class DecodeGraphs:
             query_start_loc_t=self.query_start_loc[: bs + 1], seq_lens_t=self.seq_lens[:bs],
             block_tables_t=self.block_tables[:bs], max_query_len=1,
         )
-        hidden = runner.model(self.input_ids[:bs], self.positions[:bs], runner.kv_caches,
+        # Each token's id: its own (row 1), or the one the last step sampled (row 0).
+        input_ids = self.step_inputs[:2].view(-1)[self.token_source[:bs]]
+        hidden = runner.model(input_ids, self.positions[:bs], runner.kv_caches,
                               TritonPagedAttention(meta, runner.attn_workspace))
-        return runner.model.compute_logits(hidden)
+        logits = runner.model.compute_logits(hidden)
+        self.sampled[:bs].copy_(argmax(logits))
+        return logits
 
     def _lora_kernels(self, bs: int) -> tuple:
         manager = self.runner.lora_manager
@@ -129,23 +156,33 @@ class DecodeGraphs:
         else:
             case = self.cases[0]
         runner = self.runner
-
-        def put(buffer: torch.Tensor, values: list[int]) -> None:
-            buffer[:n].copy_(runner.host_tensor(values, buffer.dtype), non_blocking=True)
-
-        put(self.input_ids, inputs.input_ids)
-        runner.fill_pending(self.input_ids, inputs)
-        put(self.positions, inputs.positions)
-        put(self.slot_mapping, inputs.slot_mapping)
-        self.slot_mapping[n:bs].fill_(-1)
-        put(self.seq_lens, inputs.seq_lens)
-        self.seq_lens[n:bs].fill_(1)
+        self.step_inputs[1:].copy_(self._host_inputs(inputs), non_blocking=True)
         table = block_table_tensor(inputs.block_tables, runner.pin_memory)
         self.block_tables[:n, : table.shape[1]].copy_(table, non_blocking=True)
         if case:
             slots = runner.punica.token_slots
-            put(slots, inputs.token_lora_slots)
+            slots[:n].copy_(runner.host_tensor(inputs.token_lora_slots, slots.dtype),
+                            non_blocking=True)
             slots[n:bs].fill_(-1)
         graph, logits = self.graphs[(bs, case)]
         graph.replay()
         return logits[:n]
+
+    def _host_inputs(self, inputs) -> torch.Tensor:
+        """Rows 1-5 of `step_inputs` for this step, in pinned memory; padding rows
+        get token 0, slot -1 and length 1."""
+        max_bs = self.sizes[-1]
+        n = len(inputs.input_ids)
+        pad = max_bs - n
+        source = list(range(max_bs, 2 * max_bs))
+        for dst, src in zip(inputs.pending_dst, inputs.pending_src, strict=True):
+            source[dst] = src
+        host = torch.empty(_ROWS, max_bs, dtype=torch.long, pin_memory=self.runner.pin_memory)
+        host[:_SEQ_LENS] = torch.tensor([
+            inputs.input_ids + [0] * pad, source, inputs.positions + [0] * pad,
+            inputs.slot_mapping + [-1] * pad,
+        ])
+        seq_lens = host[_SEQ_LENS].view(torch.int32)
+        seq_lens[:max_bs] = torch.tensor(inputs.seq_lens + [1] * pad, dtype=torch.int32)
+        seq_lens[max_bs:] = 0
+        return host

@@ -206,15 +206,26 @@ class ModelRunner:
         waiting for them; None when no sequence samples this step."""
         inputs = self.prepare(step, lora_slots)
         sampling = [s for s in step.seqs if s.sampling is not None]
-        if self.graphs is not None and inputs.is_decode and self.graphs.fits(len(step.seqs)):
-            logits = self.graphs.run(inputs)
+        rows = [s.sampling for s in sampling]
+        graphs = self.graphs
+        if graphs is not None and inputs.is_decode and graphs.fits(len(step.seqs)):
+            logits = graphs.run(inputs)
+            if self.sampler.argmax_suffices(rows):
+                # The graph took the argmax already, into graphs.sampled.
+                batch = self.sampler.from_argmax(graphs.sampled[: len(rows)])
+            else:
+                batch = self.sampler.sample(logits, rows)
+                graphs.sampled[: len(rows)].copy_(batch.token_ids)
         else:
             hidden = self._forward_eager(inputs)
             if not sampling:
                 self._last_sampled, self._last_rows = None, {}
                 return None
             logits = self.model.compute_logits(hidden[self.to_device(inputs.sample_indices)])
-        batch = self.sampler.sample(logits, [s.sampling for s in sampling])
+            batch = self.sampler.sample(logits, rows)
+            if graphs is not None:
+                # A decode graph next takes the pending tokens from graphs.sampled.
+                graphs.sampled[: len(rows)].copy_(batch.token_ids)
         self._last_sampled = batch.token_ids
         self._last_rows = {s.request_id: i for i, s in enumerate(sampling)}
         return batch

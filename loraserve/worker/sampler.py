@@ -70,6 +70,13 @@ class SampledBatch:
         return SamplerOutput(sampled, logprobs)
 
 
+def _queued(batch: SampledBatch) -> SampledBatch:
+    if batch.token_ids.is_cuda:
+        batch.ready = torch.cuda.Event()
+        batch.ready.record()
+    return batch
+
+
 def _to_host_async(t: torch.Tensor) -> torch.Tensor:
     if not t.is_cuda:
         return t
@@ -94,7 +101,7 @@ class Sampler:
         logits = _apply_penalties(logits, rows)
         logits = _mask_stop_tokens(logits, rows)
 
-        greedy_ids = _argmax(logits)
+        greedy_ids = argmax(logits)
         if all_greedy:
             token_ids = greedy_ids
         else:
@@ -110,10 +117,23 @@ class Sampler:
                 top = torch.topk(raw_logprobs, top_n)
                 batch.top_ids = _to_host_async(top.indices)
                 batch.top_vals = _to_host_async(top.values)
-        if token_ids.is_cuda:
-            batch.ready = torch.cuda.Event()
-            batch.ready.record()
-        return batch
+        return _queued(batch)
+
+    @staticmethod
+    def argmax_suffices(rows: list[SamplingRow]) -> bool:
+        """Whether ``sample`` would return ``argmax(logits)`` of the raw logits: greedy
+        rows that ask for no logprobs, no penalties and no min_tokens masking."""
+        return all(
+            r.params.greedy and r.params.logprobs is None and not r.params.uses_penalties
+            and not _stop_ids_masked(r)
+            for r in rows
+        )
+
+    @staticmethod
+    def from_argmax(token_ids: torch.Tensor) -> SampledBatch:
+        """The batch ``sample`` gives for rows where ``argmax_suffices``, from ids
+        already taken (a decode graph takes them)."""
+        return _queued(SampledBatch(token_ids, _to_host_async(token_ids), [None] * len(token_ids)))
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         dev = logits.device
@@ -146,7 +166,7 @@ class Sampler:
         return (probs / q).argmax(dim=-1)
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1) (the first of equal maxima), in two passes when the
     vocabulary splits evenly: one reduce over [B, V] has only B rows to spread
     over the GPU, one over [B * 64, V / 64] rows fills it (32 x 128256 on an
@@ -202,7 +222,7 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     rows_idx, cols = [], []
     for i, row in enumerate(rows):
         p = row.params
-        if len(row.output_token_ids) + row.num_pending >= p.min_tokens:
+        if not _stop_ids_masked(row):
             continue
         stop_ids = list(p.stop_token_ids or [])
         if row.eos_token_id is not None and not p.ignore_eos:
@@ -214,3 +234,8 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
         logits[torch.tensor(rows_idx, device=logits.device),
                torch.tensor(cols, device=logits.device)] = float("-inf")
     return logits
+
+
+def _stop_ids_masked(row: SamplingRow) -> bool:
+    """min_tokens not reached yet: the stop ids and EOS cannot be sampled."""
+    return len(row.output_token_ids) + row.num_pending < row.params.min_tokens
