@@ -37,6 +37,7 @@ from offline import machine, make_prompts
 from kernels import replay_ms  # benchmarks/kernels.py
 from loraserve import LLM, SamplingParams
 from loraserve.engine.output_processor import OutputProcessor
+from loraserve.worker import cuda_graphs
 
 BATCH = 32
 
@@ -75,6 +76,10 @@ VARIANTS = {
     "down_bn64": ({}, {DOWN: _cfg(64, 128, 4)}, {}),
     "o_bn64_s3": ({}, {O_PROJ: _cfg(64, 128, 4, stages=3)}, {}),
     "qkv_ours": ({}, {QKV: _cfg(64, 128, 2)}, {}),
+    "qkv_ours_bn32": ({}, {QKV: _cfg(32, 128, 1)}, {}),
+    "qkv_ours_s4": ({}, {QKV: _cfg(64, 128, 4)}, {}),
+    "down_bn64_s3": ({}, {DOWN: _cfg(64, 128, 3)}, {}),
+    "torch_argmax": ({}, {}, {(cuda_graphs, "argmax"): lambda logits: logits.argmax(dim=-1)}),
 }
 
 

@@ -167,18 +167,13 @@ class Sampler:
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(-1) (the first of equal maxima), in two passes when the
-    vocabulary splits evenly: one reduce over [B, V] has only B rows to spread
-    over the GPU, one over [B * 64, V / 64] rows fills it (32 x 128256 on an
-    H200: 27 µs for one pass over the fp32 copy, 19.5 µs for both passes over
-    the bf16 logits, benchmarks/RESULTS.md)."""
-    rows, vocab = logits.shape
-    chunks = 64
-    if not logits.is_cuda or vocab % chunks or vocab < 64 * chunks:
+    """logits.argmax(-1) (the first of equal maxima); on a GPU in one Triton launch
+    (kernels/argmax.py), not torch's reduce kernels."""
+    if not logits.is_cuda:
         return logits.argmax(dim=-1)
-    best, where = logits.view(rows, chunks, vocab // chunks).max(dim=-1)
-    chunk = best.argmax(dim=-1, keepdim=True)
-    return (chunk * (vocab // chunks) + where.gather(1, chunk)).squeeze(1)
+    from loraserve.kernels.argmax import argmax_rows
+
+    return argmax_rows(logits if logits.stride(1) == 1 else logits.contiguous())
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
