@@ -79,6 +79,15 @@ VARIANTS = {
     "qkv_ours_bn32": ({}, {QKV: _cfg(32, 128, 1)}, {}),
     "qkv_ours_s4": ({}, {QKV: _cfg(64, 128, 4)}, {}),
     "down_bn64_s3": ({}, {DOWN: _cfg(64, 128, 3)}, {}),
+    "down_bn32_k256": ({}, {DOWN: _cfg(32, 256, 1, stages=3)}, {}),
+    "down_bn32_s6": ({}, {DOWN: _cfg(32, 128, 1, stages=6)}, {}),
+    "down_bn64_x2": ({}, {DOWN: _cfg(64, 128, 2)}, {}),
+    "down_st5": ({}, {DOWN: _cfg(128, 128, 4, stages=5)}, {}),
+    "o_bn32_s6": ({}, {O_PROJ: _cfg(32, 128, 1, stages=6)}, {}),
+    "o_bn64_x2": ({}, {O_PROJ: _cfg(64, 128, 2)}, {}),
+    "o_bn32_k256": ({}, {O_PROJ: _cfg(32, 256, 1, stages=3)}, {}),
+    "silu_k64_s8": ({}, {GATE_UP_SILU: _cfg(128, 64, 1, stages=8)}, {}),
+    "silu_w8": ({}, {GATE_UP_SILU: _cfg(128, 128, 1, warps=8)}, {}),
     "torch_argmax": ({}, {}, {(cuda_graphs, "argmax"): lambda logits: logits.argmax(dim=-1)}),
 }
 

@@ -76,6 +76,8 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(max_bs, runner.max_blocks_per_seq, dtype=torch.int32,
                                         device=dev)
+        # The rows last copied into block_tables (the requests' lists grow in place).
+        self._tables_on_device: list[list[int]] | None = None
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.capture_seconds = 0.0
@@ -157,8 +159,11 @@ class DecodeGraphs:
             case = self.cases[0]
         runner = self.runner
         self.step_inputs[1:].copy_(self._host_inputs(inputs), non_blocking=True)
-        table = block_table_tensor(inputs.block_tables, runner.pin_memory)
-        self.block_tables[:n, : table.shape[1]].copy_(table, non_blocking=True)
+        # A sequence gains a block every block_size steps: most steps keep the tables.
+        if inputs.block_tables != self._tables_on_device:
+            table = block_table_tensor(inputs.block_tables, runner.pin_memory)
+            self.block_tables[:n, : table.shape[1]].copy_(table, non_blocking=True)
+            self._tables_on_device = [list(row) for row in inputs.block_tables]
         if case:
             slots = runner.punica.token_slots
             slots[:n].copy_(runner.host_tensor(inputs.token_lora_slots, slots.dtype),
