@@ -67,6 +67,7 @@ VARIANTS = {
     "no_pdl": ({"LORASERVE_PDL": "0"}, {}, {}),
     "no_fused_rotary": ({"LORASERVE_FUSE_ROTARY": "0"}, {}, {}),
     "attn_64_3": ({}, {}, {(pa, "pick_config"): _attention(64, 4, 3)}),
+    "attn_seqs_adjacent": ({}, {}, {(pa, "DECODE_HEADS_ADJACENT"): False}),
     "attn_128_w8": ({}, {}, {(pa, "pick_config"): _attention(128, 8, 3)}),
     "attn_2_splits": ({}, {}, {(pa, "MAX_SPLITS"): 2, (pa, "_num_sms"): lambda device: 512}),
     "attn_64_2": ({}, {}, {(pa, "pick_config"): _attention(64, 4, 2)}),

@@ -78,6 +78,8 @@ MAX_SPLITS = 32
 # Split counters (kernels/counters.py), one per (query tile, KV head) of a split
 # launch: at most MAX_SPLIT_ROWS tokens and as many sequences, 64 KV heads.
 _MAX_LOCKS = 2 * MAX_SPLIT_ROWS * 64
+# Decode grids with a sequence's KV heads adjacent in launch order (see the launch).
+DECODE_HEADS_ADJACENT = True
 # Sequences scanned per step when a tile looks up its sequence.
 _SEARCH_BLOCK = 128
 _LOG2E = 1.4426950408889634
@@ -257,11 +259,18 @@ def _attn_kernel(
     SEARCH_BLOCK: tl.constexpr,
     NEW_KV: tl.constexpr,
     HALF: tl.constexpr,
+    HEADS_ADJACENT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_ADJACENT:
+        kvh = tl.program_id(0)
+        tile = tl.program_id(1)
+        num_kv_heads = tl.num_programs(0)
+    else:
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
 
     if ONE_TILE_PER_SEQ:
@@ -417,7 +426,7 @@ def _attn_kernel(
         # the tile's counter back to 0 for the next launch or graph replay.
         # The barrier puts every thread's stores before the counter's release.
         tl.debug_barrier()
-        lock = lock_ptr + tile * tl.num_programs(1) + kvh
+        lock = lock_ptr + tile * num_kv_heads + kvh
         if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             m_run = tl.full([BLOCK_M], _NEG_START, dtype=tl.float32)
             w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -669,7 +678,12 @@ def paged_attention(
     num_tiles = num_seqs if one_tile else num_tokens // cfg.block_q + num_seqs
     assert not split or num_tiles * num_kv_heads <= _MAX_LOCKS
     kc, vc = kv_cache[0], kv_cache[1]
-    _attn_kernel[(num_tiles, num_kv_heads, num_splits)](
+    # Decode launches the KV heads of a sequence next to each other: they read
+    # neighbouring 256-byte pieces of the same cache rows at about the same time.
+    heads_adjacent = one_tile and DECODE_HEADS_ADJACENT
+    grid = ((num_kv_heads, num_tiles, num_splits) if heads_adjacent
+            else (num_tiles, num_kv_heads, num_splits))
+    _attn_kernel[grid](
         q,
         kc,
         vc,
@@ -719,6 +733,7 @@ def paged_attention(
         SEARCH_BLOCK=_SEARCH_BLOCK,
         NEW_KV=new_kv is not None,
         HALF=head_dim // 2,
+        HEADS_ADJACENT=heads_adjacent,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_args(q.device),
