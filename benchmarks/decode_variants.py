@@ -89,6 +89,10 @@ VARIANTS = {
     "o_bn32_k256": ({}, {O_PROJ: _cfg(32, 256, 1, stages=3)}, {}),
     "silu_k64_s8": ({}, {GATE_UP_SILU: _cfg(128, 64, 1, stages=8)}, {}),
     "silu_w8": ({}, {GATE_UP_SILU: _cfg(128, 128, 1, warps=8)}, {}),
+    "silu_pf256": ({}, {GATE_UP_SILU: {**_cfg(128, 128, 1), "PREFETCH": 256}}, {}),
+    "silu_pf512": ({}, {GATE_UP_SILU: {**_cfg(128, 128, 1), "PREFETCH": 512}}, {}),
+    "down_pf0": ({}, {DOWN: {**_cfg(128, 128, 4), "PREFETCH": 0}}, {}),
+    "o_pf512": ({}, {O_PROJ: {**_cfg(64, 128, 4), "PREFETCH": 512}}, {}),
     "torch_argmax": ({}, {}, {(cuda_graphs, "argmax"): lambda logits: logits.argmax(dim=-1)}),
 }
 

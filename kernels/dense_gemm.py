@@ -52,6 +52,7 @@ MAX_TOKENS = 64
 # kernel's own reads (a batch-32 step on the H200: 0 / 128 / 256 / 512 / 1024
 # columns took 4.850 / 4.817 / 4.824 / 4.864 / 4.92 ms, benchmarks/RESULTS.md).
 PREFETCH_COLUMNS = 128
+# A table entry's "PREFETCH" overrides it for its shape.
 # Counters for this many column tiles (N / BLOCK_N of any split launch).
 _MAX_LOCKS = 8192
 
@@ -234,6 +235,7 @@ def dense_linear(
     if silu_mul:
         block_n = max(16, block_n // 2)
     split = cfg["SPLIT_K"]
+    prefetch = cfg.get("PREFETCH", PREFETCH_COLUMNS)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     n_tiles = triton.cdiv(n, block_n)
     if split > 1:
@@ -251,8 +253,7 @@ def dense_linear(
         BLOCK_K=block_k, SPLIT_K=split, EVEN_K=k % (split * block_k) == 0,
         EVEN_N=n % block_n == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PREFETCH_K=PREFETCH_COLUMNS and max(64, min(PREFETCH_COLUMNS,
-                                                     triton.next_power_of_2(k_per_split))),
+        PREFETCH_K=prefetch and max(64, min(prefetch, triton.next_power_of_2(k_per_split))),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(x.device),
     )
     return y
