@@ -93,7 +93,8 @@ VARIANTS = {
     "silu_pf512": ({}, {GATE_UP_SILU: {**_cfg(128, 128, 1), "PREFETCH": 512}}, {}),
     "down_pf0": ({}, {DOWN: {**_cfg(128, 128, 4), "PREFETCH": 0}}, {}),
     "o_pf512": ({}, {O_PROJ: {**_cfg(64, 128, 4), "PREFETCH": 512}}, {}),
-    "torch_argmax": ({}, {}, {(cuda_graphs, "argmax"): lambda logits: logits.argmax(dim=-1)}),
+    "torch_argmax": ({}, {}, {(cuda_graphs, "argmax"):
+                              lambda logits, out: torch.argmax(logits, dim=-1, out=out)}),
 }
 
 

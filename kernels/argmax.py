@@ -77,11 +77,14 @@ def _argmax_kernel(
             tl.atomic_xchg(lock_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` of [B, V] logits (any float dtype), int64 [B]."""
+def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of [B, V] logits (any float dtype), int64 [B], into
+    ``out`` if given."""
     assert logits.dim() == 2 and logits.stride(1) == 1
     rows, vocab = logits.shape
-    out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    assert out.shape == (rows,) and out.dtype == torch.long and out.stride(0) == 1
     if rows == 0:
         return out
     chunks = min(MAX_CHUNKS, triton.cdiv(vocab, _BLOCK)) if rows <= _MAX_ROWS else 1

@@ -26,6 +26,11 @@ def test_argmax_rows_is_argmax_first_of_ties_included(dtype, rows, vocab):
     late[0] = float("-inf")
     for logits in (tied, spread, late):
         assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    # Into a given buffer (a decode graph's row of sampled ids).
+    buffer = torch.zeros(rows + 2, dtype=torch.long, device=DEVICE)
+    argmax_rows(spread, out=buffer[1 : rows + 1])
+    assert torch.equal(buffer[1 : rows + 1], spread.argmax(dim=-1))
+    assert not buffer[0] and not buffer[-1]
     # Rows of a wider buffer (a strided view).
     wide = torch.randn(rows, vocab + 8, generator=g).to(dtype).to(DEVICE)
     assert torch.equal(argmax_rows(wide[:, :vocab]), wide[:, :vocab].argmax(dim=-1))

@@ -105,7 +105,7 @@ class DecodeGraphs:
         hidden = runner.model(input_ids, self.positions[:bs], runner.kv_caches,
                               TritonPagedAttention(meta, runner.attn_workspace))
         logits = runner.model.compute_logits(hidden)
-        self.sampled[:bs].copy_(argmax(logits))
+        argmax(logits, out=self.sampled[:bs])
         return logits
 
     def _lora_kernels(self, bs: int) -> tuple:

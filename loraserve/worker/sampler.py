@@ -166,14 +166,14 @@ class Sampler:
         return (probs / q).argmax(dim=-1)
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(-1) (the first of equal maxima); on a GPU in one Triton launch
-    (kernels/argmax.py), not torch's reduce kernels."""
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits.argmax(-1) (the first of equal maxima), into ``out`` if given; on a GPU
+    in one Triton launch (kernels/argmax.py), not torch's reduce kernels."""
     if not logits.is_cuda:
-        return logits.argmax(dim=-1)
+        return torch.argmax(logits, dim=-1, out=out)
     from loraserve.kernels.argmax import argmax_rows
 
-    return argmax_rows(logits if logits.stride(1) == 1 else logits.contiguous())
+    return argmax_rows(logits if logits.stride(1) == 1 else logits.contiguous(), out)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
