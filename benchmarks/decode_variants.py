@@ -50,7 +50,6 @@ def _cfg(block_n, block_k, split, warps=4, stages=4) -> dict:
 NO_FUSE = {"LORASERVE_FUSE_SILU": "0"}
 GATE_UP_SILU = "T32_N28672_K4096_SILU"
 DOWN, O_PROJ, QKV = "T32_N4096_K14336", "T32_N4096_K4096", "T32_N6144_K4096"
-LM_HEAD = "T32_N128256_K4096"
 
 
 def _attention(block_n: int, warps: int, stages: int):
@@ -67,11 +66,6 @@ VARIANTS = {
     "no_fused_silu": (NO_FUSE, {}, {}),
     "no_pdl": ({"LORASERVE_PDL": "0"}, {}, {}),
     "no_fused_rotary": ({"LORASERVE_FUSE_ROTARY": "0"}, {}, {}),
-    "no_stream_k": ({"LORASERVE_STREAM_K": "0"}, {}, {}),
-    "down_split_k": ({}, {DOWN: _cfg(128, 128, 4)}, {}),
-    "o_split_k": ({}, {O_PROJ: _cfg(64, 128, 4)}, {}),
-    "silu_split_k": ({}, {GATE_UP_SILU: _cfg(128, 128, 1)}, {}),
-    "lm_split_k": ({}, {LM_HEAD: _cfg(64, 128, 1)}, {}),
     "attn_64_3": ({}, {}, {(pa, "pick_config"): _attention(64, 4, 3)}),
     "attn_seqs_adjacent": ({}, {}, {(pa, "DECODE_HEADS_ADJACENT"): False}),
     "attn_128_w8": ({}, {}, {(pa, "pick_config"): _attention(128, 8, 3)}),

@@ -111,16 +111,10 @@ if has decode32; then
       --json "$OUT/decode32.json" > "$OUT/decode32.log" 2>&1
   echo "decode32 rc=$?" >> "$OUT/decode32.log"
   # The same run without parts of this path (DECODE_VARIANTS): "nopdl" launches every
-  # kernel plainly, "cublas" also puts every linear layer on cuBLAS, "nostream" runs
-  # the decode GEMM's stream-K entries split-K's way. "again" repeats the default run.
+  # kernel plainly, "cublas" also puts every linear layer on cuBLAS.
   for variant in ${DECODE_VARIANTS:-}; do
-    case $variant in
-      nopdl) switches="LORASERVE_PDL=0" ;;
-      cublas) switches="LORASERVE_PDL=0 LORASERVE_DECODE_GEMM=cublas" ;;
-      nostream) switches="LORASERVE_STREAM_K=0" ;;
-      *) switches="" ;;
-    esac
-    env $switches timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/offline.py \
+    env LORASERVE_PDL=0 $([ "$variant" = cublas ] && echo LORASERVE_DECODE_GEMM=cublas) \
+        timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/offline.py \
         --model $MODEL --load-format dummy --num-requests 32 \
         --max-num-seqs 32 --input-len 64 --output-len 512 \
         --json "$OUT/decode32_$variant.json" > "$OUT/decode32_$variant.log" 2>&1

@@ -42,7 +42,6 @@ import triton.language as tl
 
 from .activation import silu_mul
 from .counters import counter_buffer
-from .lora_config import _num_sms as num_sms
 from .lora_config import dense_config, dense_tuned, has_dense_table, token_block
 from .pdl import gdc_launch_dependents, gdc_wait, l2_prefetch, pdl_args
 
@@ -158,113 +157,6 @@ def _dense_kernel(
 
 
 @triton.jit
-def _dense_stream_kernel(
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    y_ptr,
-    ws_ptr,
-    lock_ptr,
-    M,
-    N,
-    K,
-    k_blocks,
-    total_blocks,
-    stride_xm,
-    stride_wn,
-    stride_ym,
-    SILU_MUL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    MAX_PARTS: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-    PREFETCH_K: tl.constexpr,
-):
-    # Program p streams K blocks [p * C / P, (p + 1) * C / P) of the C = tiles x
-    # k_blocks blocks, column tile after column tile. The programs that share a
-    # tile are p(t * k_blocks) .. p((t + 1) * k_blocks - 1), where block b belongs
-    # to p(b) = ((b + 1) * P - 1) // C.
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    start = (pid * total_blocks) // num_programs
-    end = ((pid + 1) * total_blocks) // num_programs
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    if PDL:
-        gdc_launch_dependents()
-        if PREFETCH_K > 0:
-            # As _dense_kernel: the start of this program's first rows, into L2.
-            line: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
-            t0 = start // k_blocks
-            offs_n0 = t0 * BLOCK_N + tl.arange(0, BLOCK_N)
-            cols = (start - t0 * k_blocks) * BLOCK_K + tl.arange(0, PREFETCH_K // line) * line
-            pf_ok = (offs_n0 < N)[:, None] & (cols < K)[None, :]
-            pf_ptrs = w_ptr + offs_n0.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-            l2_prefetch(tl.where(pf_ok, pf_ptrs, w_ptr))
-            if SILU_MUL:
-                l2_prefetch(tl.where(pf_ok, pf_ptrs + N * stride_wn, w_ptr))
-        gdc_wait()
-    parts: tl.constexpr = 2 if SILU_MUL else 1
-    tile_size = BLOCK_N * BLOCK_M
-    offs_tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
-    b = start
-    while b < end:
-        t = b // k_blocks
-        seg_end = tl.minimum(end, (t + 1) * k_blocks)
-        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        k_lo = (b - t * k_blocks) * BLOCK_K
-        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
-        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k_lo + offs_k)[:, None]
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for kb in range(b, seg_end):
-            k_ok = ((kb - t * k_blocks) * BLOCK_K + offs_k) < K
-            if EVEN_K:
-                xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
-            else:
-                xt = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-            w = _weight_tile(w_ptrs, n_ok, k_ok, EVEN_K, EVEN_N)
-            acc = tl.dot(w, xt, acc, input_precision=PRECISION)
-            if SILU_MUL:
-                w_up = _weight_tile(w_ptrs + N * stride_wn, n_ok, k_ok, EVEN_K, EVEN_N)
-                acc_up = tl.dot(w_up, xt, acc_up, input_precision=PRECISION)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        first = ((t * k_blocks + 1) * num_programs - 1) // total_blocks
-        last = ((t + 1) * k_blocks * num_programs - 1) // total_blocks
-        if first == last:
-            _dense_epilogue(acc, acc_up, b_ptr, y_ptr, offs_n, offs_m, n_ok, m_ok, N,
-                            stride_ym, SILU_MUL, HAS_BIAS)
-        else:
-            # Workspace [tiles, MAX_PARTS, 1 or 2 (gate, up), BLOCK_N, BLOCK_M], fp32;
-            # the last of the tile's programs to arrive sums the parts in order.
-            part = ws_ptr + (t * MAX_PARTS + pid - first) * parts * tile_size + offs_tile
-            tl.store(part, acc)
-            if SILU_MUL:
-                tl.store(part + tile_size, acc_up)
-            tl.debug_barrier()
-            if tl.atomic_add(lock_ptr + t, 1, sem="acq_rel", scope="gpu") == last - first:
-                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                total_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                for i in range(0, last - first + 1):
-                    part = ws_ptr + (t * MAX_PARTS + i) * parts * tile_size + offs_tile
-                    total += tl.load(part, cache_modifier=".cg")
-                    if SILU_MUL:
-                        total_up += tl.load(part + tile_size, cache_modifier=".cg")
-                _dense_epilogue(total, total_up, b_ptr, y_ptr, offs_n, offs_m, n_ok, m_ok,
-                                N, stride_ym, SILU_MUL, HAS_BIAS)
-                tl.atomic_xchg(lock_ptr + t, 0, sem="relaxed", scope="gpu")
-        b = seg_end
-
-
-@triton.jit
 def _weight_tile(ptrs, n_ok, k_ok, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
     # Masks only where the sizes need them: unmasked loads vectorize best.
     if EVEN_K:
@@ -346,31 +238,9 @@ def dense_linear(
     prefetch = cfg.get("PREFETCH", PREFETCH_COLUMNS)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     n_tiles = triton.cdiv(n, block_n)
-    assert n_tiles <= _MAX_LOCKS
-    common = dict(
-        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_N=n % block_n == 0,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(x.device),
-    )
-    parts = 2 if silu_mul else 1
-    stream = cfg.get("STREAM_K", 0) if os.environ.get("LORASERVE_STREAM_K", "1") != "0" else 0
-    if stream:
-        k_blocks = triton.cdiv(k, block_k)
-        total = n_tiles * k_blocks
-        programs = min(total, stream * num_sms())
-        max_parts = triton.cdiv(k_blocks, total // programs) + 1
-        ws = torch.empty(n_tiles * max_parts * parts * block_n * block_m, dtype=torch.float32,
-                         device=x.device)
-        _dense_stream_kernel[(programs,)](
-            x, weight, bias if bias is not None else y, y, ws, _lock_buffer(x.device),
-            num_tokens, n, k, k_blocks, total, x.stride(0), weight.stride(0), y.stride(0),
-            MAX_PARTS=max_parts, EVEN_K=k % block_k == 0,
-            PREFETCH_K=prefetch and max(64, min(prefetch, triton.next_power_of_2(k))),
-            **common,
-        )
-        return y
     if split > 1:
+        assert n_tiles <= _MAX_LOCKS
+        parts = 2 if silu_mul else 1
         ws = torch.empty(split * n_tiles * parts * block_n * block_m, dtype=torch.float32,
                          device=x.device)
         locks = _lock_buffer(x.device)
@@ -379,8 +249,11 @@ def dense_linear(
     _dense_kernel[(n_tiles, split)](
         x, weight, bias if bias is not None else y, y, ws, locks,
         num_tokens, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
-        SPLIT_K=split, EVEN_K=k % (split * block_k) == 0,
+        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, SPLIT_K=split, EVEN_K=k % (split * block_k) == 0,
+        EVEN_N=n % block_n == 0,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PREFETCH_K=prefetch and max(64, min(prefetch, triton.next_power_of_2(k_per_split))),
-        **common,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(x.device),
     )
     return y

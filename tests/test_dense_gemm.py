@@ -64,36 +64,6 @@ def test_gate_up_with_silu_and_mul_in_the_epilogue(m, inter, k, block_n, split, 
     assert int(dense_gemm._lock_buffer(x.device).abs().sum()) == 0
 
 
-@pytest.mark.parametrize(
-    "m,n,k,block_n,programs,bias,silu",
-    [
-        (5, 100, 200, 32, 3, True, False),  # ragged; tiles shared by two programs
-        (3, 64, 512, 32, 5, False, False),  # a tile summed from three programs' parts
-        (1, 96, 128, 32, 2, True, False),  # a program ends inside a tile
-        (2, 64, 64, 32, 1, False, False),  # one program, every tile whole
-        (1, 32, 64, 32, 8, False, False),  # more programs than K blocks: one
-        (4, 96, 256, 32, 3, True, True),  # gate/up with SiLU-and-mul: both halves' parts
-    ],
-)
-def test_stream_k_matches_torch(monkeypatch, m, n, k, block_n, programs, bias, silu):
-    # STREAM_K: programs (per SM, here `programs` SMs) split the tiles' K blocks
-    # evenly; a tile's parts are summed by the last of its programs to arrive.
-    monkeypatch.setattr(dense_gemm, "num_sms", lambda: programs)
-    x, w, b = make(m, 2 * n if silu else n, k, bias, seed=programs)
-    cfg = {**config(block_n, 64, 1), "STREAM_K": 1}
-    y = dense_gemm.dense_linear(x, w, b, config=cfg, silu_mul=silu)
-    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-    if silu:
-        ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
-    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(y, dense_gemm.dense_linear(x, w, b, config=cfg, silu_mul=silu))
-    assert int(dense_gemm._lock_buffer(x.device).abs().sum()) == 0
-    # LORASERVE_STREAM_K=0 ignores the key: the same sums, split-K's way.
-    monkeypatch.setenv("LORASERVE_STREAM_K", "0")
-    plain = dense_gemm.dense_linear(x, w, b, config=cfg, silu_mul=silu)
-    torch.testing.assert_close(plain, y, rtol=1e-5, atol=1e-5)
-
-
 def test_split_k_is_deterministic_and_puts_its_counters_back():
     x, w, b = make(7, 96, 512, bias=True, seed=1)
     cfg = config(32, 64, 4)

@@ -43,22 +43,18 @@ def test_layer_shapes_with_the_configs_in_use(m, n, k):
     assert_close_bf16(dense_gemm.dense_linear(x, w), reference(x, w, None))
 
 
-@pytest.mark.parametrize("split,stream", [(1, 0), (4, 0), (16, 0), (1, 1), (1, 3)])
+@pytest.mark.parametrize("split", [1, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_split_k_bias_and_half_dtypes(split, stream, dtype):
+def test_split_k_bias_and_half_dtypes(split, dtype):
     x, w, b = make(24, 1000, 2048 + 64, dtype=dtype, bias=True)  # ragged N and K
-    cfg = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": split, "num_warps": 4, "num_stages": 3,
-           "STREAM_K": stream}
+    cfg = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
     assert_close_bf16(dense_gemm.dense_linear(x, w, b, config=cfg), reference(x, w, b))
 
 
-@pytest.mark.parametrize("stream", [0, 1, 2])
-def test_in_a_cuda_graph_replays_equal_eager_and_counters_return_to_zero(stream):
-    # Split-K 8, and stream-K with one and two programs per SM.
+def test_in_a_cuda_graph_replays_equal_eager_and_counters_return_to_zero():
     n, k = 4096, 14336
     x, w, _ = make(32, n, k)
-    cfg = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 4,
-           "STREAM_K": stream}
+    cfg = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 4}
     static_x = x.clone()
     dense_gemm.dense_linear(static_x, w, config=cfg)  # eager first: makes the counters
     graph = torch.cuda.CUDAGraph()
@@ -75,13 +71,12 @@ def test_in_a_cuda_graph_replays_equal_eager_and_counters_return_to_zero(stream)
 
 
 @pytest.mark.parametrize("m", [1, 32, 64])
-@pytest.mark.parametrize("split,stream", [(1, 0), (4, 0), (1, 1)])
-def test_gate_up_with_silu_and_mul_in_the_epilogue(m, split, stream):
+@pytest.mark.parametrize("split", [1, 4])
+def test_gate_up_with_silu_and_mul_in_the_epilogue(m, split):
     from loraserve.kernels.activation import silu_and_mul
 
     x, w, b = make(m, 2 * 14336, 4096, bias=True)
-    cfg = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": split, "num_warps": 4, "num_stages": 4,
-           "STREAM_K": stream}
+    cfg = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": split, "num_warps": 4, "num_stages": 4}
     fused = dense_gemm.dense_linear(x, w, b, config=cfg, silu_mul=True)
     # The same GEMM unfused, then the activation kernel: each half rounded first.
     assert_close_bf16(fused, silu_and_mul(dense_gemm.dense_linear(x, w, b, config=cfg)))

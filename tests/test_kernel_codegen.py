@@ -73,7 +73,7 @@ def test_shrink_loads_are_vectorized_and_pipelined_on_sm90():
 
 
 # The decode GEMM with PDL, on the Llama-3-8B o_proj shape with split-K, plain and
-# with SiLU-and-mul in its epilogue (gate/up); and its stream-K form.
+# with SiLU-and-mul in its epilogue (gate/up).
 DENSE_SCRIPT = r"""
 import json, re
 from triton.backends.compiler import GPUTarget
@@ -110,13 +110,6 @@ for silu in (False, True):
         {"N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym"},
         dict(SILU_MUL=silu, HAS_BIAS=False, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4,
              EVEN_K=True, EVEN_N=True, PRECISION="tf32", PDL=True, PREFETCH_K=512))
-    out[f"stream_silu_{silu}"] = report(
-        dense_gemm._dense_stream_kernel,
-        {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16",
-         "ws_ptr": "*fp32", "lock_ptr": "*i32"},
-        {"N", "K", "stride_xm", "stride_wn", "stride_ym"},
-        dict(SILU_MUL=silu, HAS_BIAS=False, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, MAX_PARTS=3,
-             EVEN_K=True, EVEN_N=True, PRECISION="tf32", PDL=True, PREFETCH_K=128))
 print(json.dumps(out))
 """
 
