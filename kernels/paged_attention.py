@@ -677,6 +677,7 @@ def paged_attention(
     one_tile = mql <= cfg.block_q
     num_tiles = num_seqs if one_tile else num_tokens // cfg.block_q + num_seqs
     assert not split or num_tiles * num_kv_heads <= _MAX_LOCKS
+    assert new_kv is None or one_tile, "new_kv: a query tile per sequence (decode tiling)"
     kc, vc = kv_cache[0], kv_cache[1]
     # Decode launches the KV heads of a sequence next to each other: they read
     # neighbouring 256-byte pieces of the same cache rows at about the same time.

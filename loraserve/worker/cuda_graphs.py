@@ -5,12 +5,13 @@ the smallest captured size >= B. Inputs are copied into static buffers; padded
 rows get slot -1 everywhere (no KV write, no adapter) and a one-token sequence,
 so they compute harmless garbage that nobody reads.
 
-Outside the graph a step is a few copies, and each costs a gap on the device
-(~0.2 ms of a 4.9 ms batch-32 step went to a dozen of them, benchmarks/RESULTS.md).
-So the step's per-token inputs travel in one host-to-device copy of one
-[5, max_bs] buffer (token ids, where each token comes from, positions, slots,
-and the sequence lengths as int32), padding rows filled on the host; the graph
-itself takes the tokens the last step sampled (async scheduling) from the
+Every copy or small kernel around the graph costs the device a gap: a dozen of
+them (input copies, padding fills, the pending-token fill, the argmax) kept a
+batch-32 step 96% busy (benchmarks/RESULTS.md). So the step's per-token inputs
+travel in one host-to-device copy of one [5, max_bs] buffer (token ids, where
+each token comes from, positions, slots, and the sequence lengths as int32),
+padding rows filled on the host; the block tables only when they changed; the
+graph itself takes the tokens the last step sampled (async scheduling) from the
 `sampled` row beside them, and ends with the greedy argmax, written there.
 
 LoRA cases. vLLM captures every size once per case, [0, max_loras + 1] by
