@@ -13,7 +13,7 @@ pytestmark = [
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("vocab", [128256, 32000, 50257])
-def test_two_pass_argmax_is_argmax_first_of_ties_included(dtype, vocab):
+def test_sampler_argmax_is_argmax_first_of_ties_included(dtype, vocab):
     g = torch.Generator(device="cuda").manual_seed(vocab)
     # Small integers: most rows hold their maximum more than once.
     tied = torch.randint(-40, 40, (32, vocab), device="cuda", generator=g).to(dtype)
