@@ -68,6 +68,17 @@ def rms_norm(
 
 
 @triton.jit
+def rotate_half(x, x_half, cos, sin, sign):
+    """The rotate-half rotary of x (a head, or one half of it), in fp32 and rounded
+    to x's dtype: x * cos + sign * x_half * sin, where x_half holds each element's
+    partner D/2 away and sign is -1 where the partner is in the second half, +1
+    where it is in the first. The rotary kernel here and decode attention
+    (paged_attention's new_kv) both rotate with it."""
+    rotated = x.to(tl.float32) * cos + (sign * x_half.to(tl.float32)) * sin
+    return rotated.to(x.dtype)
+
+
+@triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
     v_ptr, kc_ptr, vc_ptr, slot_ptr,
@@ -102,12 +113,10 @@ def _rope_kernel(
         p1 = base + h[:, None] * stride_h + d[None, :]
         x1 = tl.load(p1, mask=mask, other=0.0)
         x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
-        x1f = x1.to(tl.float32)
-        x2f = x2.to(tl.float32)
-        o1 = x1f * cos1[None, :] + (-x2f) * sin1[None, :]
-        o2 = x2f * cos2[None, :] + x1f * sin2[None, :]
-        tl.store(p1, o1.to(x1.dtype), mask=mask)
-        tl.store(p1 + HALF, o2.to(x1.dtype), mask=mask)
+        o1 = rotate_half(x1, x2, cos1[None, :], sin1[None, :], -1.0)
+        o2 = rotate_half(x2, x1, cos2[None, :], sin2[None, :], 1.0)
+        tl.store(p1, o1, mask=mask)
+        tl.store(p1 + HALF, o2, mask=mask)
     if WRITE_KV:
         # The rotated k and this token's v, into the paged cache at its slot
         # (padding tokens, slot -1, store nothing), as write_kv_cache does.
@@ -117,8 +126,8 @@ def _rope_kernel(
         dst = (safe // BLOCK_SIZE) * stride_cb + (safe % BLOCK_SIZE) * stride_cs
         dst = dst + h[:, None] * stride_ch + d[None, :]
         ty = kc_ptr.dtype.element_ty
-        tl.store(kc_ptr + dst, o1.to(x1.dtype).to(ty), mask=mask)
-        tl.store(kc_ptr + dst + HALF, o2.to(x1.dtype).to(ty), mask=mask)
+        tl.store(kc_ptr + dst, o1.to(ty), mask=mask)
+        tl.store(kc_ptr + dst + HALF, o2.to(ty), mask=mask)
         v_row = v_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :]
         tl.store(vc_ptr + dst, tl.load(v_row, mask=mask).to(ty), mask=mask)
         tl.store(vc_ptr + dst + HALF, tl.load(v_row + HALF, mask=mask).to(ty), mask=mask)

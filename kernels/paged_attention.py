@@ -69,6 +69,7 @@ import triton
 import triton.language as tl
 
 from .counters import counter_buffer
+from .fused_norm_rope import rotate_half
 from .pdl import pdl_args, pdl_begin
 
 # Split-KV partials are kept for at most this many (token, split) pairs, which
@@ -197,14 +198,6 @@ def _attend(
 
 
 @triton.jit
-def _rotate_half(x, x_half, cos, sin, sign):
-    """x * cos + rotate_half(x) * sin in fp32, rounded to x's dtype, as the rotary
-    kernel (kernels/fused_norm_rope.py) computes it; x_half is x at d +- D/2."""
-    rotated = x.to(tl.float32) * cos + (sign * x_half.to(tl.float32)) * sin
-    return rotated.to(x.dtype)
-
-
-@triton.jit
 def _attn_kernel(
     q_ptr,
     kc_ptr,
@@ -324,9 +317,9 @@ def _attn_kernel(
             mask=row_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
-        q = _rotate_half(q, q_half, cos[None, :], sin[None, :], sign[None, :])
+        q = rotate_half(q, q_half, cos[None, :], sin[None, :], sign[None, :])
         k_row = knew_ptr + q_start * stride_kt + kvh * stride_kh
-        k_new = _rotate_half(tl.load(k_row + d, mask=d_ok, other=0.0),
+        k_new = rotate_half(tl.load(k_row + d, mask=d_ok, other=0.0),
                              tl.load(k_row + partner, mask=d_ok, other=0.0), cos, sin, sign)
         v_new = tl.load(vnew_ptr + q_start * stride_vt + kvh * stride_vh + d, mask=d_ok,
                         other=0.0)

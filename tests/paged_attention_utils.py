@@ -135,7 +135,7 @@ def decode_rotary(b: dict):
 
 def rotated(b: dict, rope, positions: torch.Tensor) -> dict:
     """b with q and k rotated by the model's torch rotary."""
-    q, k = rope.forward_torch(positions, b["q"], b["k"])
+    q, k = rope(positions, b["q"], b["k"])
     return dict(b, q=q, k=k)
 
 

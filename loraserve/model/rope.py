@@ -66,14 +66,12 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D] -> rotated (rotate-half convention). On a GPU
-        q and k are rotated in place by one kernel."""
-        if q.is_cuda and self.rotary_dim == q.shape[-1]:
-            from loraserve.kernels.fused_norm_rope import rotary_embedding_
-
-            rotary_embedding_(q, k, positions, self.cos, self.sin)
-            return q, k
-        return self.forward_torch(positions, q, k)
+        """q: [T, Hq, D], k: [T, Hk, D] -> rotated (rotate-half convention), in torch.
+        The GPU attention backend rotates with kernels instead (rotate_and_cache,
+        or inside decode attention)."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
 
     def rotate_and_cache(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -87,16 +85,9 @@ class RotaryEmbedding(nn.Module):
         if self.rotary_dim == q.shape[-1]:
             rotary_embedding_(q, k, positions, self.cos, self.sin, (v, kv_cache, slot_mapping))
             return q, k
-        q, k = self.forward_torch(positions, q, k)
+        q, k = self(positions, q, k)
         write_kv_cache(k, v, kv_cache, slot_mapping)
         return q, k
-
-    def forward_torch(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:

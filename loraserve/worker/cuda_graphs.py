@@ -39,9 +39,9 @@ from loraserve.worker.sampler import argmax
 
 logger = logging.getLogger(__name__)
 
-# Rows of the host-written part of DecodeGraphs.step_inputs (row 0 there is
-# `sampled`): token ids first, then these.
-_SOURCE, _POSITIONS, _SLOTS, _SEQ_LENS = range(1, 5)
+# Rows of the host-written part of DecodeGraphs.step_inputs (rows 1-5 there; row 0
+# is `sampled`).
+_IDS, _SOURCE, _POSITIONS, _SLOTS, _SEQ_LENS = range(5)
 _ROWS = 5
 
 
@@ -65,15 +65,16 @@ class DecodeGraphs:
         # host in one copy: token ids, each token's source (an index into rows 0-1
         # flattened: a pending token's row in `sampled`, else its own id), positions,
         # slots, and the sequence lengths as int32 in the first half of row 5.
-        self.step_inputs = torch.zeros(_ROWS + 1, max_bs, dtype=torch.long, device=dev)
-        self.step_inputs[_SLOTS + 1].fill_(-1)
-        self.step_inputs[_SOURCE + 1] = torch.arange(max_bs, 2 * max_bs, device=dev)
-        self.step_inputs[_SEQ_LENS + 1].view(torch.int32)[:max_bs].fill_(1)
+        self.step_inputs = torch.zeros(1 + _ROWS, max_bs, dtype=torch.long, device=dev)
         self.sampled = self.step_inputs[0]
-        self.token_source = self.step_inputs[_SOURCE + 1]
-        self.positions = self.step_inputs[_POSITIONS + 1]
-        self.slot_mapping = self.step_inputs[_SLOTS + 1]
-        self.seq_lens = self.step_inputs[_SEQ_LENS + 1].view(torch.int32)[:max_bs]
+        self._from_host = self.step_inputs[1:]
+        self._from_host[_SLOTS].fill_(-1)
+        self._from_host[_SOURCE] = torch.arange(max_bs, 2 * max_bs, device=dev)
+        self._from_host[_SEQ_LENS].view(torch.int32)[:max_bs].fill_(1)
+        self.token_source = self._from_host[_SOURCE]
+        self.positions = self._from_host[_POSITIONS]
+        self.slot_mapping = self._from_host[_SLOTS]
+        self.seq_lens = self._from_host[_SEQ_LENS].view(torch.int32)[:max_bs]
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(max_bs, runner.max_blocks_per_seq, dtype=torch.int32,
                                         device=dev)
@@ -159,7 +160,7 @@ class DecodeGraphs:
         else:
             case = self.cases[0]
         runner = self.runner
-        self.step_inputs[1:].copy_(self._host_inputs(inputs), non_blocking=True)
+        self._from_host.copy_(self._host_inputs(inputs), non_blocking=True)
         # A sequence gains a block every block_size steps: most steps keep the tables.
         if inputs.block_tables != self._tables_on_device:
             table = block_table_tensor(inputs.block_tables, runner.pin_memory)
@@ -175,8 +176,8 @@ class DecodeGraphs:
         return logits[:n]
 
     def _host_inputs(self, inputs) -> torch.Tensor:
-        """Rows 1-5 of `step_inputs` for this step, in pinned memory; padding rows
-        get token 0, slot -1 and length 1."""
+        """`_from_host` (rows 1-5 of `step_inputs`) for this step, in pinned memory;
+        padding rows get token 0, slot -1 and length 1."""
         max_bs = self.sizes[-1]
         n = len(inputs.input_ids)
         pad = max_bs - n
@@ -184,7 +185,7 @@ class DecodeGraphs:
         for dst, src in zip(inputs.pending_dst, inputs.pending_src, strict=True):
             source[dst] = src
         host = torch.empty(_ROWS, max_bs, dtype=torch.long, pin_memory=self.runner.pin_memory)
-        host[:_SEQ_LENS] = torch.tensor([
+        host[_IDS:_SEQ_LENS] = torch.tensor([
             inputs.input_ids + [0] * pad, source, inputs.positions + [0] * pad,
             inputs.slot_mapping + [-1] * pad,
         ])

@@ -208,23 +208,22 @@ class ModelRunner:
         sampling = [s for s in step.seqs if s.sampling is not None]
         rows = [s.sampling for s in sampling]
         graphs = self.graphs
+        batch = None
         if graphs is not None and inputs.is_decode and graphs.fits(len(step.seqs)):
             logits = graphs.run(inputs)
             if self.sampler.argmax_suffices(rows):
                 # The graph took the argmax already, into graphs.sampled.
                 batch = self.sampler.from_argmax(graphs.sampled[: len(rows)])
-            else:
-                batch = self.sampler.sample(logits, rows)
-                graphs.sampled[: len(rows)].copy_(batch.token_ids)
         else:
             hidden = self._forward_eager(inputs)
             if not sampling:
                 self._last_sampled, self._last_rows = None, {}
                 return None
             logits = self.model.compute_logits(hidden[self.to_device(inputs.sample_indices)])
+        if batch is None:
             batch = self.sampler.sample(logits, rows)
             if graphs is not None:
-                # A decode graph next takes the pending tokens from graphs.sampled.
+                # A decode graph takes the next step's pending tokens from there.
                 graphs.sampled[: len(rows)].copy_(batch.token_ids)
         self._last_sampled = batch.token_ids
         self._last_rows = {s.request_id: i for i, s in enumerate(sampling)}
