@@ -12,7 +12,8 @@
 #   profile   where a batch-32 decode step's time goes (profile_decode.py)
 #   variants  a batch-32 decode step's graph replay for variants of the decode path, side by
 #             side, and its kernel timeline (decode_variants.py; VARIANTS, VARIANT_CONTEXT)
-#   decode32  base decode at batch 32 (offline.py), and the same through PEFT
+#   decode32  base decode at batch 32 (offline.py --decode-rate; DECODE_REPEATS runs, the
+#             median), and the same through PEFT
 #   offprof   where the offline run's LoRA overhead goes: prefill vs decode, GPU time by
 #             kernel kind (profile_offline.py)
 #   offline   LoRA vs base offline throughput, 32 rank-16 adapters, 256 requests
@@ -107,8 +108,8 @@ if has decode32; then
   # Short prompts, long outputs: nearly every step is a batch-32 decode.
   timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/offline.py \
       --model $MODEL --load-format dummy --num-requests 32 \
-      --max-num-seqs 32 --input-len 64 --output-len 512 \
-      --json "$OUT/decode32.json" > "$OUT/decode32.log" 2>&1
+      --max-num-seqs 32 --input-len 64 --output-len 512 --decode-rate \
+      --repeats "${DECODE_REPEATS:-1}" --json "$OUT/decode32.json" > "$OUT/decode32.log" 2>&1
   echo "decode32 rc=$?" >> "$OUT/decode32.log"
   # The same run without parts of this path (DECODE_VARIANTS): "nopdl" launches every
   # kernel plainly, "cublas" also puts every linear layer on cuBLAS.

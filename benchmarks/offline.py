@@ -6,6 +6,12 @@ the base model (no adapter) and the same requests spread over the adapters.
     python benchmarks/offline.py --model /tmp/bench/llama3-8b-shape --load-format dummy \
         --adapters /tmp/bench/adapters --num-adapters 32 --num-requests 256 \
         --input-len 512 --output-len 128 --json out.json
+
+``--decode-rate`` also times the same requests for one output token each (their
+prefill and first token) and reports the rate of the steps after it,
+``decode_tok_per_s``: (output tokens - requests) / (full run - prefill run).
+That is the rate of the decode steps alone, which the bandwidth roofline of a
+decode step bounds; output_tok_per_s also pays for the prefill.
 """
 
 from __future__ import annotations
@@ -60,20 +66,30 @@ def finish_report(results: dict, json_path: Path | None) -> None:
         json_path.write_text(json.dumps(results, indent=2))
 
 
-def run(llm: LLM, prompts, params, loras) -> dict:
+def run(llm: LLM, prompts, params, loras, decode_rate: bool = False) -> dict:
     # A warm-up outside the timing: the same prompts for two tokens each. It pays
     # the one-time costs: Triton compiles for every prefill shape of the workload
     # (on a fresh machine they took seconds inside the timed base run), and
     # loading each adapter from disk (a server loads its adapters before traffic).
     short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate(prompts, short, loras, use_tqdm=False)
+    result = {}
+    if decode_rate:
+        first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, first, loras, use_tqdm=False)
+        result["prefill_seconds"] = time.perf_counter() - start
     start = time.perf_counter()
     outs = llm.generate(prompts, params, loras)
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"seconds": elapsed, "output_tokens": out_tokens,
-            "output_tok_per_s": out_tokens / elapsed,
-            "requests_per_s": len(outs) / elapsed}
+    result.update({"seconds": elapsed, "output_tokens": out_tokens,
+                   "output_tok_per_s": out_tokens / elapsed,
+                   "requests_per_s": len(outs) / elapsed})
+    if decode_rate:
+        result["decode_tok_per_s"] = (
+            (out_tokens - len(outs)) / (elapsed - result["prefill_seconds"]))
+    return result
 
 
 def main() -> None:
@@ -93,6 +109,8 @@ def main() -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--repeats", type=int, default=1,
                    help="alternate this many base and LoRA runs; report the medians")
+    p.add_argument("--decode-rate", action="store_true",
+                   help="also time the prefill alone and report the decode steps' rate")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -119,11 +137,11 @@ def main() -> None:
     # process (clocks, neighbours) reach both; each reports its median run.
     runs: dict[str, list[dict]] = {"base": [], "lora": []}
     for _ in range(args.repeats):
-        runs["base"].append(run(llm, prompts, params, None))
+        runs["base"].append(run(llm, prompts, params, None, args.decode_rate))
         print(json.dumps(runs["base"][-1]), flush=True)
         if per_prompt is not None:
             gc.collect()
-            runs["lora"].append(run(llm, prompts, params, per_prompt))
+            runs["lora"].append(run(llm, prompts, params, per_prompt, args.decode_rate))
             print(json.dumps(runs["lora"][-1]), flush=True)
     for name, done in runs.items():
         if done:
