@@ -66,6 +66,13 @@ def finish_report(results: dict, json_path: Path | None) -> None:
         json_path.write_text(json.dumps(results, indent=2))
 
 
+def timed_generate(llm: LLM, prompts, params, loras, **kwargs) -> tuple[list, float]:
+    """The outputs of one ``generate`` and its wall-clock seconds."""
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, loras, **kwargs)
+    return outs, time.perf_counter() - start
+
+
 def run(llm: LLM, prompts, params, loras, decode_rate: bool = False) -> dict:
     # A warm-up outside the timing: the same prompts for two tokens each. It pays
     # the one-time costs: Triton compiles for every prefill shape of the workload
@@ -76,12 +83,9 @@ def run(llm: LLM, prompts, params, loras, decode_rate: bool = False) -> dict:
     result = {}
     if decode_rate:
         first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        start = time.perf_counter()
-        llm.generate(prompts, first, loras, use_tqdm=False)
-        result["prefill_seconds"] = time.perf_counter() - start
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, loras)
-    elapsed = time.perf_counter() - start
+        _, result["prefill_seconds"] = timed_generate(llm, prompts, first, loras,
+                                                      use_tqdm=False)
+    outs, elapsed = timed_generate(llm, prompts, params, loras)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     result.update({"seconds": elapsed, "output_tokens": out_tokens,
                    "output_tok_per_s": out_tokens / elapsed,
