@@ -105,21 +105,25 @@ fi
 
 if has decode32; then
   stamp decode32
-  # Short prompts, long outputs: nearly every step is a batch-32 decode.
-  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/offline.py \
-      --model $MODEL --load-format dummy --num-requests 32 \
-      --max-num-seqs 32 --input-len 64 --output-len 512 --decode-rate \
-      --repeats "${DECODE_REPEATS:-1}" --json "$OUT/decode32.json" > "$OUT/decode32.log" 2>&1
-  echo "decode32 rc=$?" >> "$OUT/decode32.log"
-  # The same run without parts of this path (DECODE_VARIANTS): "nopdl" launches every
-  # kernel plainly, "cublas" also puts every linear layer on cuBLAS.
-  for variant in ${DECODE_VARIANTS:-}; do
-    env LORASERVE_PDL=0 $([ "$variant" = cublas ] && echo LORASERVE_DECODE_GEMM=cublas) \
-        timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/offline.py \
+  # Short prompts, long outputs: nearly every step is a batch-32 decode. Then the same
+  # run with parts of this path changed (DECODE_VARIANTS): "nopdl" launches every kernel
+  # plainly, "cublas" also puts every linear layer on cuBLAS, "hnd" stores the KV cache
+  # head by head within a block.
+  for variant in default ${DECODE_VARIANTS:-}; do
+    case $variant in
+      default) switches="" ;;
+      nopdl) switches="LORASERVE_PDL=0" ;;
+      cublas) switches="LORASERVE_PDL=0 LORASERVE_DECODE_GEMM=cublas" ;;
+      hnd) switches="LORASERVE_KV_LAYOUT=hnd" ;;
+      *) echo "unknown decode variant $variant" >> "$OUT/stages.log"; continue ;;
+    esac
+    suffix=$([ "$variant" = default ] && echo "" || echo "_$variant")
+    env $switches timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/offline.py \
         --model $MODEL --load-format dummy --num-requests 32 \
-        --max-num-seqs 32 --input-len 64 --output-len 512 \
-        --json "$OUT/decode32_$variant.json" > "$OUT/decode32_$variant.log" 2>&1
-    echo "decode32 $variant rc=$?" >> "$OUT/decode32_$variant.log"
+        --max-num-seqs 32 --input-len 64 --output-len 512 --decode-rate \
+        --repeats "${DECODE_REPEATS:-1}" \
+        --json "$OUT/decode32$suffix.json" > "$OUT/decode32$suffix.log" 2>&1
+    echo "decode32 $variant rc=$?" >> "$OUT/decode32$suffix.log"
   done
   if [ "${PEFT:-1}" = 1 ]; then
     (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 peft_baseline.py --model $MODEL \
