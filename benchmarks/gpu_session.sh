@@ -107,14 +107,12 @@ if has decode32; then
   stamp decode32
   # Short prompts, long outputs: nearly every step is a batch-32 decode. Then the same
   # run with parts of this path changed (DECODE_VARIANTS): "nopdl" launches every kernel
-  # plainly, "cublas" also puts every linear layer on cuBLAS, "hnd" stores the KV cache
-  # head by head within a block.
+  # plainly, "cublas" also puts every linear layer on cuBLAS.
   for variant in default ${DECODE_VARIANTS:-}; do
     case $variant in
       default) switches="" ;;
       nopdl) switches="LORASERVE_PDL=0" ;;
       cublas) switches="LORASERVE_PDL=0 LORASERVE_DECODE_GEMM=cublas" ;;
-      hnd) switches="LORASERVE_KV_LAYOUT=hnd" ;;
       *) echo "unknown decode variant $variant" >> "$OUT/stages.log"; continue ;;
     esac
     suffix=$([ "$variant" = default ] && echo "" || echo "_$variant")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from loraserve.worker.attention import AttentionMetadata, TorchPagedAttention, head_major_cache
+from loraserve.worker.attention import AttentionMetadata, TorchPagedAttention
 
 
 def make_batch(
@@ -101,16 +101,6 @@ def run_kernels(b, scale, window=None, out=None, **kw):
     pa.paged_attention(b["q"], cache, out, b["query_start_loc"], b["seq_lens"],
                        b["block_tables"], scale, sliding_window=window, **kw)
     return out, cache
-
-
-def head_major(b: dict) -> dict:
-    """b with its cache's values in a cache whose memory holds each block head by
-    head (``LORASERVE_KV_LAYOUT=hnd``), behind the same shape."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = b["cache"].shape
-    cache = head_major_cache(num_blocks, block_size, num_kv_heads, head_dim,
-                             b["cache"].dtype, b["cache"].device)
-    cache.copy_(b["cache"])
-    return dict(b, cache=cache)
 
 
 def pad_like_a_graph(b: dict) -> dict:

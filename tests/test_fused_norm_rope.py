@@ -15,7 +15,6 @@ from transformers import LlamaConfig  # noqa: E402
 
 from loraserve.model.llama import RMSNorm  # noqa: E402
 from loraserve.model.rope import RotaryEmbedding  # noqa: E402
-from loraserve.worker.attention import head_major_cache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -75,21 +74,17 @@ def test_rotary_matches_torch(dtype, heads, kv_heads, head_dim):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (6, 1, 24)])
-@pytest.mark.parametrize("head_major", [False, True])
-def test_rotary_that_writes_the_kv_cache(dtype, heads, kv_heads, head_dim, head_major):
+def test_rotary_that_writes_the_kv_cache(dtype, heads, kv_heads, head_dim):
     # The same rotation, and k and v (strided views of one QKV buffer) stored at
     # their slots of a paged cache of 4-token blocks; slot -1 (padding) stores nothing.
-    # head_major: the cache's memory holds each block head by head (LORASERVE_KV_LAYOUT=hnd).
     rope, q, k, v, positions = rope_inputs(dtype, heads, kv_heads, head_dim, seed=head_dim + 1)
     slots = torch.tensor([9, -1, 0, 22, 5], device=DEVICE)
-    shape = (2, 6, 4, kv_heads, head_dim)
-    cache = (head_major_cache(6, 4, kv_heads, head_dim, dtype, DEVICE) if head_major
-             else torch.zeros(shape, dtype=dtype, device=DEVICE))
+    cache = torch.zeros(2, 6, 4, kv_heads, head_dim, dtype=dtype, device=DEVICE)
     q_plain, k_plain = q.clone(), k.clone()
     fused.rotary_embedding_(q_plain, k_plain, positions, rope.cos, rope.sin)
     fused.rotary_embedding_(q, k, positions, rope.cos, rope.sin, (v, cache, slots))
     assert torch.equal(q, q_plain) and torch.equal(k, k_plain)
-    want = torch.zeros(shape, dtype=dtype, device=DEVICE)
+    want = torch.zeros_like(cache)
     real = slots >= 0
     want[0].view(-1, kv_heads, head_dim)[slots[real]] = k_plain[real]
     want[1].view(-1, kv_heads, head_dim)[slots[real]] = v[real]

@@ -9,7 +9,6 @@ pytest.importorskip("triton")
 from loraserve.kernels import paged_attention as pa  # noqa: E402
 from paged_attention_utils import (  # noqa: E402
     decode_rotary,
-    head_major,
     make_batch,
     pad_like_a_graph,
     reference,
@@ -158,30 +157,6 @@ def test_decode_with_the_rotary_and_kv_write_in_the_launch(num_splits, window):
         rt = b["real_t"]
         torch.testing.assert_close(got[:rt], want, atol=1e-5, rtol=1e-5)
     assert int(pa._lock_buffer(torch.device("cpu")).abs().sum()) == 0
-
-
-def test_a_head_major_cache_gives_the_same_results():
-    # LORASERVE_KV_LAYOUT=hnd: the same values stored head by head. The kernels
-    # address the cache through its strides: the same outputs and cache values as
-    # the default layout (which the tests above check against the reference).
-    mixed = make_batch(MIXED, 4, 2, 16, 4, seed=14)
-    decode = pad_like_a_graph(make_batch(DECODE, 8, 2, 32, 4, pad_tokens=3, seed=15))
-    for b, kw in ((mixed, {"max_query_len": mixed["max_query_len"]}),
-                  (mixed, {"num_splits": 2}),
-                  (decode, {"max_query_len": 1, "num_splits": 3})):
-        hb = head_major(b)
-        assert not hb["cache"].is_contiguous() and torch.equal(hb["cache"], b["cache"])
-        out, cache = run_kernels(b, 0.25, **kw)
-        got, got_cache = run_kernels(hb, 0.25, **kw)
-        assert got_cache.stride() == hb["cache"].stride()
-        assert torch.equal(got_cache, cache)
-        rt = b["real_t"]
-        assert torch.equal(got[:rt], out[:rt])
-    rope, positions = decode_rotary(decode)
-    out, cache = run_with_new_kv(decode, rope, positions, 0.25, num_splits=2)
-    got, got_cache = run_with_new_kv(head_major(decode), rope, positions, 0.25, num_splits=2)
-    assert torch.equal(got_cache, cache)
-    assert torch.equal(got[: decode["real_t"]], out[: decode["real_t"]])
 
 
 def test_new_kv_only_for_decode():

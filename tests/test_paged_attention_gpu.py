@@ -4,7 +4,6 @@ import pytest
 import torch
 from paged_attention_utils import (
     decode_rotary,
-    head_major,
     make_batch,
     pad_like_a_graph,
     reference,
@@ -68,26 +67,6 @@ def test_decode_with_the_rotary_and_kv_write_in_the_launch(dtype, batch):
     rt = b["real_t"]
     err = (got[:rt].float() - want).abs().max().item()
     assert err < TOL[dtype], f"max abs error {err}"
-
-
-@pytest.mark.parametrize("batch", [7, 64])
-def test_a_head_major_cache_gives_the_same_results(batch):
-    # LORASERVE_KV_LAYOUT=hnd: the same values stored head by head, read and
-    # written through the cache's strides: results equal the default layout's.
-    b = pad_like_a_graph(make_batch(decode_specs(batch, batch + 2), HQ, HK, D, BS,
-                                    torch.bfloat16, pad_tokens=3, seed=batch, device="cuda"))
-    rope, positions = decode_rotary(b)
-    for runner in (lambda x: run(x, max_query_len=1),
-                   lambda x: run_with_new_kv(x, rope, positions, D**-0.5)):
-        out, cache = runner(b)
-        got, got_cache = runner(head_major(b))
-        assert torch.equal(got_cache, cache)
-        assert torch.equal(got[: b["real_t"]], out[: b["real_t"]])
-    mixed = make_batch([(0, 300), (100, 20)] + decode_specs(6, 5, 600), HQ, HK, D, BS,
-                       torch.bfloat16, seed=3, device="cuda")
-    out, cache = run(mixed, max_query_len=300)
-    got, got_cache = run(head_major(mixed), max_query_len=300)
-    assert torch.equal(got_cache, cache) and torch.equal(got, out)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

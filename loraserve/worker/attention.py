@@ -50,26 +50,8 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, num_kv_heads, head_dim] cache a layer.
-
-    On CUDA, ``LORASERVE_KV_LAYOUT=hnd`` stores a block head by head instead
-    (each KV head's keys contiguous, [2, blocks, heads, block_size, D] in memory),
-    behind a view of the same shape: the kernels address the cache through its
-    strides. For side-by-side benchmarks of the two layouts; the torch backend
-    (CPU) needs the default one."""
-    if device.type == "cuda" and os.environ.get("LORASERVE_KV_LAYOUT", "nhd") == "hnd":
-        return [head_major_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-                for _ in range(num_layers)]
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-
-
-def head_major_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                     dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zeroed cache of the usual shape whose memory holds each block head by head."""
-    memory = torch.zeros(2, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype,
-                         device=device)
-    return memory.transpose(2, 3)
 
 
 def kv_block_bytes(
