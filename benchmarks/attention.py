@@ -167,13 +167,11 @@ def main() -> None:
     print(f"{dev}; copy {bw / 1e9:.0f} GB/s (read+write)", flush=True)
     default = [None]
     if args.sweep:
-        # Key tiles in Triton's pipeline (stages > 1), and loaded a step ahead by
-        # the kernel itself (prefetch; the default's 64 keys, and 32).
         configs = default + [
             pa.AttentionConfig(1, bn, w, st)
             for bn, w, st in [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2),
                               (128, 4, 3)]
-        ] + [pa.AttentionConfig(1, 32, 4, 1, prefetch=True)]
+        ]
     else:
         configs = default
 

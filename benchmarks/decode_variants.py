@@ -52,10 +52,10 @@ GATE_UP_SILU = "T32_N28672_K4096_SILU"
 DOWN, O_PROJ, QKV = "T32_N4096_K14336", "T32_N4096_K4096", "T32_N6144_K4096"
 
 
-def _attention(block_n: int, warps: int, stages: int, prefetch: bool = False):
+def _attention(block_n: int, warps: int, stages: int):
     # Decode attention with this tiling (one query per tile).
     def pick(max_query_len, group, head_dim, dtype, crowded=False):
-        return pa.AttentionConfig(1, block_n, warps, stages, prefetch)
+        return pa.AttentionConfig(1, block_n, warps, stages)
     return pick
 
 
@@ -66,9 +66,6 @@ VARIANTS = {
     "no_fused_silu": (NO_FUSE, {}, {}),
     "no_pdl": ({"LORASERVE_PDL": "0"}, {}, {}),
     "no_fused_rotary": ({"LORASERVE_FUSE_ROTARY": "0"}, {}, {}),
-    "attn_pipelined": ({}, {}, {(pa, "pick_config"): _attention(128, 4, 3)}),
-    "attn_prefetch_32": ({}, {}, {(pa, "pick_config"): _attention(32, 4, 1, True)}),
-    "attn_prefetch_128": ({}, {}, {(pa, "pick_config"): _attention(128, 4, 1, True)}),
     "attn_64_3": ({}, {}, {(pa, "pick_config"): _attention(64, 4, 3)}),
     "attn_seqs_adjacent": ({}, {}, {(pa, "DECODE_HEADS_ADJACENT"): False}),
     "attn_128_w8": ({}, {}, {(pa, "pick_config"): _attention(128, 8, 3)}),

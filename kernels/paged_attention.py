@@ -27,11 +27,7 @@ A program owns one tile of up to BLOCK_Q query tokens of one sequence and one
 KV head, and holds the queries of all the heads of that KV head's group as rows
 of one matrix, so each K/V tile read from the cache serves the whole group. It
 walks the keys the tile can see (causal, window) in BLOCK_N steps, gathering
-each key's row through the block table, with an fp32 online softmax. Decode
-programs (one query tile a sequence) load each key tile into registers one
-step ahead themselves: Triton's pipelining of that loop, with its block-table
-lookup in front of every load, keeps a single buffer and waits on it at the top
-of each step, so loads and compute did not overlap.
+each key's row through the block table, with an fp32 online softmax.
 
 Tiles are numbered so that sequence i owns tiles ``query_start_loc[i] // BLOCK_Q
 + i`` onwards: that range holds at least cdiv(q_len_i, BLOCK_Q) tiles, and
@@ -133,55 +129,6 @@ def _write_kv_kernel(
 
 
 @triton.jit
-def _softmax_step(
-    acc, m_i, l_i, q, k_t, v, kpos, k_ok, q_pos, qk_scale, window,
-    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-):
-    """The online softmax's update for one tile of keys (k_t [D, N], v [N, D])."""
-    if IEEE:
-        s = tl.dot(q, k_t, input_precision="ieee")
-    else:
-        s = tl.dot(q, k_t)
-    s = s * qk_scale
-    if MASKED:
-        keep = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            keep = keep & (kpos[None, :] > q_pos[:, None] - window)
-        s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if IEEE:
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return acc * alpha[:, None] + pv, m_new, l_i
-
-
-@triton.jit
-def _tile_blocks(bt_row, start, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The cache block of each key of the tile at ``start`` (0 past ``hi``)."""
-    kpos = start + tl.arange(0, BLOCK_N)
-    return tl.load(bt_row + kpos // BLOCK_SIZE, mask=kpos < hi, other=0).to(tl.int64)
-
-
-@triton.jit
-def _load_tile(kc_ptr, vc_ptr, blk, kv_off, d, d_ok, start, hi, stride_cb, stride_cs,
-               BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """K (transposed, [D, N]) and V ([N, D]) of the tile at ``start``; keys past ``hi``
-    read nothing and load 0."""
-    kpos = start + tl.arange(0, BLOCK_N)
-    k_ok = kpos < hi
-    off = blk * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + kv_off
-    k_t = tl.load(kc_ptr + off[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None],
-                  other=0.0)
-    v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :],
-                other=0.0)
-    return k_t, v
-
-
-@triton.jit
 def _attend(
     acc,
     m_i,
@@ -211,49 +158,42 @@ def _attend(
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         if MASKED:
-            blk = _tile_blocks(bt_row, start, hi, BLOCK_N, BLOCK_SIZE)
-            k_t, v = _load_tile(kc_ptr, vc_ptr, blk, kv_off, d, d_ok, start, hi, stride_cb,
-                                stride_cs, BLOCK_N, BLOCK_SIZE)
+            k_ok = kpos < hi
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         else:
             blk = tl.load(bt_row + kpos // BLOCK_SIZE).to(tl.int64)
-            off = blk * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + kv_off
-            k_ptrs = kc_ptr + off[None, :] + d[:, None]
-            v_ptrs = vc_ptr + off[:, None] + d[None, :]
-            if EVEN_D:
-                k_t = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-            else:
-                k_t = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k_t, v, kpos, kpos < hi, q_pos,
-                                      qk_scale, window, MASKED, USE_WINDOW, IEEE)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _attend_prefetched(
-    acc, m_i, l_i, q, q_pos, lo, hi, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok, qk_scale,
-    window, stride_cb, stride_cs,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    """``_attend`` (masked) that loads each tile's K and V into registers one tile
-    ahead, and its block numbers two ahead, so the loads of the next tile are in
-    flight while this one is computed. Triton's own pipelining of ``_attend``
-    keeps one buffer for K and V and waits on it at the top of every step: no
-    overlap (its schedule for sm_90, Triton 3.6)."""
-    blk_next = _tile_blocks(bt_row, lo + BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
-    k_t, v = _load_tile(kc_ptr, vc_ptr, _tile_blocks(bt_row, lo, hi, BLOCK_N, BLOCK_SIZE),
-                        kv_off, d, d_ok, lo, hi, stride_cb, stride_cs, BLOCK_N, BLOCK_SIZE)
-    for start in range(lo, hi, BLOCK_N):
-        k_next, v_next = _load_tile(kc_ptr, vc_ptr, blk_next, kv_off, d, d_ok, start + BLOCK_N,
-                                    hi, stride_cb, stride_cs, BLOCK_N, BLOCK_SIZE)
-        blk_next = _tile_blocks(bt_row, start + 2 * BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
-        kpos = start + tl.arange(0, BLOCK_N)
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k_t, v, kpos, kpos < hi, q_pos,
-                                      qk_scale, window, True, USE_WINDOW, IEEE)
-        k_t = k_next
-        v = v_next
+        off = blk * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + kv_off
+        k_ptrs = kc_ptr + off[None, :] + d[:, None]
+        v_ptrs = vc_ptr + off[:, None] + d[None, :]
+        if MASKED:
+            k_t = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        elif EVEN_D:
+            k_t = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k_t = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, k_t, input_precision="ieee")
+        else:
+            s = tl.dot(q, k_t)
+        s = s * qk_scale
+        if MASKED:
+            keep = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                keep = keep & (kpos[None, :] > q_pos[:, None] - window)
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
     return acc, m_i, l_i
 
 
@@ -313,7 +253,6 @@ def _attn_kernel(
     NEW_KV: tl.constexpr,
     HALF: tl.constexpr,
     HEADS_ADJACENT: tl.constexpr,
-    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
@@ -430,18 +369,11 @@ def _attn_kernel(
         if NEW_KV:
             owns_new = (kv_lo < kv_hi) & (kv_hi == seq_len)
             cached_hi = kv_hi - owns_new.to(tl.int32)
-        if PREFETCH:
-            acc, m_i, l_i = _attend_prefetched(
-                acc, m_i, l_i, q, q_pos, kv_lo, cached_hi, bt_row, kc_ptr, vc_ptr, kv_off, d,
-                d_ok, qk_scale, window, stride_cb, stride_cs,
-                BLOCK_N, BLOCK_SIZE, USE_WINDOW, IEEE,
-            )  # fmt: skip
-        else:
-            acc, m_i, l_i = _attend(
-                acc, m_i, l_i, q, q_pos, kv_lo, cached_hi, bt_row, kc_ptr, vc_ptr, kv_off, d,
-                d_ok, qk_scale, window, stride_cb, stride_cs,
-                BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
-            )  # fmt: skip
+        acc, m_i, l_i = _attend(
+            acc, m_i, l_i, q, q_pos, kv_lo, cached_hi, bt_row, kc_ptr, vc_ptr, kv_off, d,
+            d_ok, qk_scale, window, stride_cb, stride_cs,
+            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
+        )  # fmt: skip
         if NEW_KV:
             if owns_new:
                 s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1)
@@ -529,16 +461,12 @@ class NewKV:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Tiling of one launch: BLOCK_Q query tokens (times the GQA group) by BLOCK_N keys.
-    ``prefetch``: a decode launch (one query tile a sequence) loads each key tile
-    one step ahead itself (``_attend_prefetched``) instead of leaving it to Triton's
-    pipelining (``num_stages``)."""
+    """Tiling of one launch: BLOCK_Q query tokens (times the GQA group) by BLOCK_N keys."""
 
     block_q: int
     block_n: int
     num_warps: int
     num_stages: int
-    prefetch: bool = False
 
 
 def _next_pow2(x: int) -> int:
@@ -561,12 +489,16 @@ def pick_config(
     d_p2 = max(16, _next_pow2(head_dim))
     wide = d_p2 > 128 or dtype == torch.float32
     if max_query_len * group_p2 <= 16:
-        # Decode (and short speculative queries): one tile per sequence, and
-        # reads dominate: each program loads its next key tile while it computes
-        # this one (batch 32 of the 8B shape on the H200: 64-key tiles so
-        # prefetched beat 128-key tiles in Triton's pipeline, and 32- or 128-key
-        # tiles so prefetched, benchmarks/RESULTS.md).
-        return AttentionConfig(_next_pow2(max_query_len), 32 if wide else 64, 4, 1, prefetch=True)
+        # Decode (and short speculative queries): one tile per sequence and
+        # reads dominate. A GPU with a pair per SM gains from longer key tiles
+        # and a deeper pipeline (batch 32 of the 8B shape: also at 128-576
+        # keys); fewer pairs need the occupancy of short ones.
+        block_q = _next_pow2(max_query_len)
+        if wide:
+            return AttentionConfig(block_q, 32, 4, 3)
+        return (
+            AttentionConfig(block_q, 128, 4, 3) if crowded else AttentionConfig(block_q, 64, 4, 2)
+        )
     if max_query_len * group_p2 <= 64:
         return AttentionConfig(max(1, 64 // group_p2), 32 if wide else 64, 4, 2)
     if wide:
@@ -796,7 +728,6 @@ def paged_attention(
         NEW_KV=new_kv is not None,
         HALF=head_dim // 2,
         HEADS_ADJACENT=heads_adjacent,
-        PREFETCH=cfg.prefetch and one_tile,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_args(q.device),

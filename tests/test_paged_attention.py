@@ -131,27 +131,8 @@ def test_window_wider_than_key_tile():
     check(b, window=37, config=cfg, num_splits=3)
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_decode_key_tiles_loaded_ahead_or_pipelined(prefetch):
-    # Decode programs that walk many key tiles: loaded a tile ahead by the kernel
-    # (the default) or left to Triton's pipeline, whole, split and windowed; one
-    # sequence has no cached key.
-    cfg = pa.AttentionConfig(1, 16, 4, 1 if prefetch else 2, prefetch=prefetch)
-    b = make_batch([(300, 1), (129, 1), (0, 1), (255, 1), (47, 1)], 8, 2, 16, 16, seed=14)
-    check(b, max_query_len=1, config=cfg, num_splits=1)
-    check(b, max_query_len=1, config=cfg, num_splits=3)
-    check(b, window=37, max_query_len=1, config=cfg, num_splits=2)
-
-
-def test_decode_default_tiling_loads_ahead():
-    for dtype in (torch.bfloat16, torch.float32):
-        for crowded in (False, True):
-            assert pa.pick_config(1, 4, 128, dtype, crowded).prefetch
-
-
 def test_long_key_tiles_of_crowded_decode():
-    # The tiling of big decode batches before the prefetched loop (128 keys a step in
-    # Triton's pipeline), kept for side-by-side runs.
+    # The tiling the default picks for big decode batches in bf16 (128 keys a step).
     cfg = pa.AttentionConfig(block_q=1, block_n=128, num_warps=4, num_stages=3)
     b = make_batch([(300, 1), (129, 1), (5, 1), (255, 1)], 8, 2, 16, 16, seed=11)
     check(b, max_query_len=1, config=cfg, num_splits=1)

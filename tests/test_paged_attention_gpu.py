@@ -51,15 +51,6 @@ def test_decode_real_sizes(dtype, batch):
     check(b, max_query_len=1)
 
 
-@pytest.mark.parametrize("batch", [7, 64])
-def test_decode_in_tritons_pipeline(batch):
-    # The decode tiling before the prefetched key loop (decode_variants.py compares
-    # the two): 128-key tiles in Triton's pipeline.
-    b = make_batch(decode_specs(batch, batch + 2), HQ, HK, D, BS, torch.bfloat16, seed=batch,
-                   device="cuda")
-    check(b, max_query_len=1, config=pa.AttentionConfig(1, 128, 4, 3))
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("batch", [1, 7, 64])
 def test_decode_with_the_rotary_and_kv_write_in_the_launch(dtype, batch):
