@@ -9,6 +9,8 @@
 #             into the table
 #   tests     the gpu-marked tests (after tune: they run on the table it wrote)
 #   layer     LoRA cost per linear layer class (lora_layer.py)
+#   attention decode attention alone, tilings and split counts side by side
+#             (attention.py --sweep; ATTN_ARGS, e.g. "--batches 1 4 --splits 8 16 32")
 #   profile   where a batch-32 decode step's time goes (profile_decode.py)
 #   variants  a batch-32 decode step's graph replay for variants of the decode path, side by
 #             side, and its kernel timeline (decode_variants.py; VARIANTS, VARIANT_CONTEXT)
@@ -78,6 +80,14 @@ if has layer; then
   timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/lora_layer.py --json "$OUT/lora_layer.json" ${LAYER_ARGS:-} \
       > "$OUT/lora_layer.log" 2>&1
   echo "layer rc=$?" >> "$OUT/lora_layer.log"
+fi
+
+if has attention; then
+  stamp attention
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/attention.py --sweep --no-prefill \
+      ${ATTN_ARGS:-} --json "$OUT/attention.json" --md "$OUT/attention.md" \
+      > "$OUT/attention.log" 2>&1
+  echo "attention rc=$?" >> "$OUT/attention.log"
 fi
 
 if has profile || has variants || has decode32 || has offprof || has offline || has startup || has serve; then
