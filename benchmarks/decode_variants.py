@@ -66,6 +66,11 @@ VARIANTS = {
     "no_fused_silu": (NO_FUSE, {}, {}),
     "no_pdl": ({"LORASERVE_PDL": "0"}, {}, {}),
     "no_fused_rotary": ({"LORASERVE_FUSE_ROTARY": "0"}, {}, {}),
+    # Stage counts at which Triton's pipeliner double- or triple-buffers the decode
+    # loop's K/V (sm_90, Triton 3.6; at 2-4 stages it keeps one buffer).
+    "attn_64_5": ({}, {}, {(pa, "pick_config"): _attention(64, 4, 5)}),
+    "attn_64_7": ({}, {}, {(pa, "pick_config"): _attention(64, 4, 7)}),
+    "attn_32_8": ({}, {}, {(pa, "pick_config"): _attention(32, 4, 8)}),
     "attn_64_3": ({}, {}, {(pa, "pick_config"): _attention(64, 4, 3)}),
     "attn_seqs_adjacent": ({}, {}, {(pa, "DECODE_HEADS_ADJACENT"): False}),
     "attn_128_w8": ({}, {}, {(pa, "pick_config"): _attention(128, 8, 3)}),
