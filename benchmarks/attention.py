@@ -167,10 +167,10 @@ def main() -> None:
     print(f"{dev}; copy {bw / 1e9:.0f} GB/s (read+write)", flush=True)
     default = [None]
     if args.sweep:
+        # 64/4/5, 64/4/7 and 32/4/8: the decode loop's K/V double- or triple-buffered
+        # by Triton's pipeliner (one buffer below 5 stages).
         configs = default + [
             pa.AttentionConfig(1, bn, w, st)
-            # 64/4/5, 64/4/7 and 32/4/8: the decode loop's K/V double- or
-            # triple-buffered by Triton's pipeliner (one buffer below 5 stages).
             for bn, w, st in [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2),
                               (128, 4, 3), (64, 4, 5), (64, 4, 7), (32, 4, 8)]
         ]
