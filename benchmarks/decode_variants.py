@@ -1,5 +1,5 @@
-"""One decode step at batch 32, timed as a CUDA graph replay, for variants of the
-decode path (switches and table entries) side by side in one process, on the
+"""One decode step (batch 32, or ``--batch``), timed as a CUDA graph replay, for
+variants of the decode path (switches and table entries) side by side in one process, on the
 same running batch; and where a step's time goes, kernel by kernel.
 
     python benchmarks/decode_variants.py --model /tmp/bench/llama3-8b-shape \
@@ -7,7 +7,7 @@ same running batch; and where a step's time goes, kernel by kernel.
 
 The engine runs real steps until the batch's sequences hold ``--context``
 tokens. Then, per variant, its environment and table patches are applied, a
-batch-32 decode graph is captured on the engine's static inputs (that running
+decode graph of the batch is captured on the engine's static inputs (that running
 batch) and replayed: the median of several timed rounds. Every variant's
 logits are compared with the first's (greedy tokens, max difference), so a
 variant that computes something else shows.
@@ -39,8 +39,6 @@ from loraserve import LLM, SamplingParams
 from loraserve.engine.output_processor import OutputProcessor
 from loraserve.worker import cuda_graphs
 
-BATCH = 32
-
 
 def _cfg(block_n, block_k, split, warps=4, stages=4) -> dict:
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": warps,
@@ -63,6 +61,8 @@ def _attention(block_n: int, warps: int, stages: int):
 # the switches, and configs tried against the defaults (benchmarks/RESULTS.md).
 VARIANTS = {
     "default": ({}, {}, {}),
+    # The default again, later in the same run: the spread of a replay.
+    "default_again": ({}, {}, {}),
     "no_fused_silu": (NO_FUSE, {}, {}),
     "no_pdl": ({"LORASERVE_PDL": "0"}, {}, {}),
     "no_fused_rotary": ({"LORASERVE_FUSE_ROTARY": "0"}, {}, {}),
@@ -71,6 +71,10 @@ VARIANTS = {
     "attn_64_5": ({}, {}, {(pa, "pick_config"): _attention(64, 4, 5)}),
     "attn_64_7": ({}, {}, {(pa, "pick_config"): _attention(64, 4, 7)}),
     "attn_32_8": ({}, {}, {(pa, "pick_config"): _attention(32, 4, 8)}),
+    # Decode attention's split cap before the eleventh session; 128-key tiles also
+    # below a pair per SM.
+    "attn_32_splits": ({}, {}, {(pa, "MAX_SPLITS"): 32}),
+    "attn_128_3": ({}, {}, {(pa, "pick_config"): _attention(128, 4, 3)}),
     "attn_64_3": ({}, {}, {(pa, "pick_config"): _attention(64, 4, 3)}),
     "attn_seqs_adjacent": ({}, {}, {(pa, "DECODE_HEADS_ADJACENT"): False}),
     "attn_128_w8": ({}, {}, {(pa, "pick_config"): _attention(128, 8, 3)}),
@@ -141,13 +145,13 @@ def variant(env: dict, table: dict, attrs: dict):
         lora_config.dense_config.cache_clear()
 
 
-def capture_step(graphs) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def capture_step(graphs, batch: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     case = graphs.cases[0]
-    graphs._forward(BATCH, case)  # compiles this variant's kernels
+    graphs._forward(batch, case)  # compiles this variant's kernels
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=graphs.pool):
-        logits = graphs._forward(BATCH, case)
+        logits = graphs._forward(batch, case)
     return graph, logits
 
 
@@ -272,13 +276,13 @@ def _processor(llm: LLM) -> OutputProcessor:
     return llm._bench_processor
 
 
-def fill_batch(llm: LLM, context: int) -> None:
+def fill_batch(llm: LLM, batch: int, context: int) -> None:
     engine = llm.engine
     vocab = llm.config.model_config.hf_config.vocab_size
     processor = _processor(llm)
     params = SamplingParams(temperature=0.0, max_tokens=4 * context, ignore_eos=True)
     prompt_len = 64
-    for i, prompt in enumerate(make_prompts(BATCH, prompt_len, vocab)):
+    for i, prompt in enumerate(make_prompts(batch, prompt_len, vocab)):
         for ecr in processor.add_request(str(i), None, prompt["prompt_token_ids"], params,
                                          None, None):
             engine.add_request(ecr)
@@ -291,6 +295,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", required=True)
     p.add_argument("--load-format", default="auto")
+    p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=320)
     p.add_argument("--variants", nargs="*", default=list(VARIANTS))
     p.add_argument("--trace", nargs="*", default=["no_fused_silu"])
@@ -300,10 +305,10 @@ def main() -> None:
     p.add_argument("--md", type=Path)
     args = p.parse_args()
 
-    llm = LLM(args.model, load_format=args.load_format, max_num_seqs=BATCH)
-    fill_batch(llm, args.context)
+    llm = LLM(args.model, load_format=args.load_format, max_num_seqs=args.batch)
+    fill_batch(llm, args.batch, args.context)
     graphs = llm.engine.runner.graphs
-    results = {"machine": machine(), "batch": BATCH, "context": args.context, "variants": {}}
+    results = {"machine": machine(), "batch": args.batch, "context": args.context, "variants": {}}
     first_logits = None
     traced = {}
     # A replay feeds the tokens it samples to the next one (graphs.sampled): every
@@ -312,7 +317,7 @@ def main() -> None:
     for name in args.variants:
         env, table, attrs = VARIANTS[name]
         with variant(env, table, attrs):
-            graph, logits = capture_step(graphs)
+            graph, logits = capture_step(graphs, args.batch)
             ms = replay_ms(graph, rounds=7, reps=20)
             graphs.step_inputs.copy_(real_inputs)
             graph.replay()
@@ -321,7 +326,7 @@ def main() -> None:
                 first_logits = out.clone()
             row = {
                 "step_ms": ms,
-                "tok_per_s": BATCH / ms * 1e3,
+                "tok_per_s": args.batch / ms * 1e3,
                 "same_greedy_tokens": int((out.argmax(-1) == first_logits.argmax(-1)).sum()),
                 "max_abs_logit_diff": float((out - first_logits).abs().max()),
             }

@@ -12,8 +12,9 @@
 #   attention decode attention alone, tilings and split counts side by side
 #             (attention.py --sweep; ATTN_ARGS, e.g. "--batches 1 4 --splits 8 16 32")
 #   profile   where a batch-32 decode step's time goes (profile_decode.py)
-#   variants  a batch-32 decode step's graph replay for variants of the decode path, side by
-#             side, and its kernel timeline (decode_variants.py; VARIANTS, VARIANT_CONTEXT)
+#   variants  a decode step's graph replay for variants of the decode path, side by side,
+#             and its kernel timeline (decode_variants.py; VARIANTS, VARIANT_BATCH (32),
+#             VARIANT_CONTEXT)
 #   decode32  base decode at batch 32 (offline.py --decode-rate; DECODE_REPEATS runs, the
 #             median), and the same through PEFT
 #   offprof   where the offline run's LoRA overhead goes: prefill vs decode, GPU time by
@@ -108,7 +109,8 @@ fi
 if has variants; then
   stamp variants
   (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 decode_variants.py --model $MODEL \
-      --load-format dummy --context "${VARIANT_CONTEXT:-320}" ${VARIANTS:+--variants $VARIANTS} \
+      --load-format dummy --batch "${VARIANT_BATCH:-32}" --context "${VARIANT_CONTEXT:-320}" \
+      ${VARIANTS:+--variants $VARIANTS} \
       --json "$OUT/variants.json" --md "$OUT/variants.md") > "$OUT/variants.log" 2>&1
   echo "variants rc=$?" >> "$OUT/variants.log"
 fi

@@ -75,7 +75,10 @@ from .pdl import pdl_args, pdl_begin
 # Split-KV partials are kept for at most this many (token, split) pairs, which
 # bounds the workspace; batches that big fill the GPU without splitting anyway.
 MAX_SPLIT_ROWS = 512
-MAX_SPLITS = 32
+# More splits cost more in the merge than they gain in parallelism: a batch-1
+# decode step of the 8B shape at 576 keys ran 2.8% faster with 8 than with 32 on
+# the H200 (benchmarks/RESULTS.md, eleventh session).
+MAX_SPLITS = 8
 # Split counters (kernels/counters.py), one per (query tile, KV head) of a split
 # launch: at most MAX_SPLIT_ROWS tokens and as many sequences, 64 KV heads.
 _MAX_LOCKS = 2 * MAX_SPLIT_ROWS * 64
