@@ -1,6 +1,7 @@
 """One decode step (batch 32, or ``--batch``), timed as a CUDA graph replay, for
-variants of the decode path (switches and table entries) side by side in one process, on the
-same running batch; and where a step's time goes, kernel by kernel.
+variants of the decode path (switches and table entries) side by side in one
+process, on the same running batch; and where a step's time goes, kernel by
+kernel.
 
     python benchmarks/decode_variants.py --model /tmp/bench/llama3-8b-shape \
         --load-format dummy --context 320 --json out.json --md out.md
