@@ -87,6 +87,12 @@ VARIANTS = {
     "attn_128_2": ({}, {}, {(pa, "pick_config"): _attention(128, 4, 2)}),
     "attn_64_3_2_splits": ({}, {}, {(pa, "pick_config"): _attention(64, 4, 3),
                                     (pa, "MAX_SPLITS"): 2, (pa, "_num_sms"): lambda device: 512}),
+    # Decode attention's key addresses as before the twelfth session: per key
+    # division and modulo (unaligned tiles), int64 offsets, or both.
+    "attn_unaligned": ({}, {}, {(pa, "DECODE_ALIGNED_KEYS"): False}),
+    "attn_offsets_64": ({}, {}, {(pa, "offsets_fit_int32"): lambda cache: False}),
+    "attn_old_addressing": ({}, {}, {(pa, "DECODE_ALIGNED_KEYS"): False,
+                                     (pa, "offsets_fit_int32"): lambda cache: False}),
     "prefetch_cols_0": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 0}),
     "prefetch_cols_512": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 512}),
     "silu_bk128_s5": ({}, {GATE_UP_SILU: _cfg(128, 128, 1, stages=5)}, {}),

@@ -84,6 +84,9 @@ MAX_SPLITS = 8
 _MAX_LOCKS = 2 * MAX_SPLIT_ROWS * 64
 # Decode grids with a sequence's KV heads adjacent in launch order (see the launch).
 DECODE_HEADS_ADJACENT = True
+# Decode tiles start aligned, so their key addresses come from per-lane offsets
+# (`_attend`'s ALIGNED); False for a side-by-side measurement only.
+DECODE_ALIGNED_KEYS = True
 # Sequences scanned per step when a tile looks up its sequence.
 _SEARCH_BLOCK = 128
 _LOG2E = 1.4426950408889634
@@ -156,19 +159,46 @@ def _attend(
     USE_WINDOW: tl.constexpr,
     EVEN_D: tl.constexpr,
     IEEE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
 ):
-    """Online softmax over keys [lo, hi); unmasked ranges hold whole BLOCK_N tiles only."""
+    """Online softmax over keys [lo, hi); unmasked ranges hold whole BLOCK_N tiles only.
+
+    ALIGNED: every tile starts at a multiple of min(BLOCK_N, BLOCK_SIZE), one of
+    which divides the other. A lane's block (counted from the tile's first) and
+    its row in that block are then the same in every tile, so the per-key
+    division and modulo leave the loop: at decode sizes the loop's time goes to
+    issuing instructions, not to waiting for memory (benchmarks/RESULTS.md).
+    """
+    lane = tl.arange(0, BLOCK_N)
+    lane_blk = lane // BLOCK_SIZE
+    lane_off = (lane % BLOCK_SIZE) * stride_cs + kv_off
     for start in range(lo, hi, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
+        kpos = start + lane
+        if ALIGNED:
+            bt_pos = start // BLOCK_SIZE + lane_blk
+        else:
+            bt_pos = kpos // BLOCK_SIZE
         if MASKED:
             k_ok = kpos < hi
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            # Keys past the end read block 0 (in bounds) and are masked below.
+            blk = tl.load(bt_row + bt_pos, mask=k_ok, other=0)
         else:
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE).to(tl.int64)
-        off = blk * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + kv_off
+            blk = tl.load(bt_row + bt_pos)
+        if not OFFSETS_32:
+            blk = blk.to(tl.int64)
+        if ALIGNED:
+            off = blk * stride_cb + ((start % BLOCK_SIZE) * stride_cs + lane_off)
+        else:
+            off = blk * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + kv_off
         k_ptrs = kc_ptr + off[None, :] + d[:, None]
         v_ptrs = vc_ptr + off[:, None] + d[None, :]
-        if MASKED:
+        if MASKED and EVEN_D:
+            # A key past the end gets a score of -inf below whatever it holds,
+            # so only v (whose product with p = 0 must not be NaN) is masked.
+            k_t = tl.load(k_ptrs)
+            v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
+        elif MASKED:
             k_t = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         elif EVEN_D:
@@ -256,6 +286,8 @@ def _attn_kernel(
     NEW_KV: tl.constexpr,
     HALF: tl.constexpr,
     HEADS_ADJACENT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
@@ -342,6 +374,9 @@ def _attn_kernel(
     kv_lo = ctx_len * 0
     if USE_WINDOW:
         kv_lo = tl.maximum(ctx_len + q_tile_start - window + 1, 0)
+        if ALIGNED:
+            # The loop masks the keys below the window; tiles stay aligned.
+            kv_lo = kv_lo // BLOCK_N * BLOCK_N
 
     # Keys every row of the tile may see need no mask; only the diagonal (and
     # the window's edge) do, so split the range into masked / unmasked parts.
@@ -375,7 +410,7 @@ def _attn_kernel(
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, kv_lo, cached_hi, bt_row, kc_ptr, vc_ptr, kv_off, d,
             d_ok, qk_scale, window, stride_cb, stride_cs,
-            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
+            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE, ALIGNED, OFFSETS_32,
         )  # fmt: skip
         if NEW_KV:
             if owns_new:
@@ -394,17 +429,17 @@ def _attn_kernel(
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, kv_lo, f_lo, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
             qk_scale, window, stride_cb, stride_cs,
-            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
+            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE, False, OFFSETS_32,
         )  # fmt: skip
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, f_lo, f_end, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
             qk_scale, window, stride_cb, stride_cs,
-            BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, EVEN_D, IEEE,
+            BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, EVEN_D, IEEE, False, OFFSETS_32,
         )  # fmt: skip
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, f_end, kv_hi, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
             qk_scale, window, stride_cb, stride_cs,
-            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE,
+            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE, False, OFFSETS_32,
         )  # fmt: skip
 
     seen = l_i > 0.0
@@ -470,6 +505,12 @@ class AttentionConfig:
     block_n: int
     num_warps: int
     num_stages: int
+
+
+def offsets_fit_int32(cache: torch.Tensor) -> bool:
+    """Whether every element offset into ``cache`` (one of K or V) fits in int32."""
+    span = 1 + sum((n - 1) * st for n, st in zip(cache.shape, cache.stride(), strict=True))
+    return span < 2**31
 
 
 def _next_pow2(x: int) -> int:
@@ -731,6 +772,9 @@ def paged_attention(
         NEW_KV=new_kv is not None,
         HALF=head_dim // 2,
         HEADS_ADJACENT=heads_adjacent,
+        ALIGNED=one_tile and DECODE_ALIGNED_KEYS and (
+            cfg.block_n % block_size == 0 or block_size % cfg.block_n == 0),
+        OFFSETS_32=offsets_fit_int32(kc),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_args(q.device),

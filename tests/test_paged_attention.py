@@ -67,6 +67,43 @@ def test_decode_split_kv(block_size):
     check(one, max_query_len=1)
 
 
+@pytest.mark.parametrize("block_size", [64, 6])
+def test_decode_key_tiles_and_blocks_that_do_not_line_up(block_size):
+    # The decode loop takes a key's block and row from per-lane offsets when the
+    # key tile and the block size divide one another: 64 is a block longer than a
+    # tile; 6 divides no tile, so the loop computes them per key. Windows and
+    # splits move a tile's first key.
+    b = make_batch(DECODE + [(90, 1)], 8, 2, 32, block_size, seed=4)
+    for kw in ({"num_splits": 1}, {"num_splits": 3}, {"num_splits": 2, "window": 7}):
+        check(b, max_query_len=1, **kw)
+
+
+def test_int64_cache_offsets(monkeypatch):
+    # Caches of 2**31 elements or more address with int64; test-sized ones fit int32.
+    big = torch.empty((2, 2**17, 16, 8, 128), device="meta")[0]
+    assert not pa.offsets_fit_int32(big) and pa.offsets_fit_int32(big[: 2**13])
+    monkeypatch.setattr(pa, "offsets_fit_int32", lambda cache: False)
+    check(make_batch(MIXED, 4, 2, 16, 4, seed=5), max_query_len=None)
+    check(make_batch(DECODE, 8, 2, 32, 16, seed=5), max_query_len=1, num_splits=2, window=9)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_keys_past_the_end_never_reach_the_output(num_splits):
+    # Key lanes past a sequence's end read block 0 unmasked (their scores are
+    # masked to -inf): block 0 holding NaN must not show in any output.
+    # A batch whose sequences leave block 0 free (it lies among the spare blocks).
+    for seed in range(100):
+        b = make_batch(DECODE, 8, 2, 32, 16, seed=seed)
+        if all(0 not in table for table in b["meta"].block_tables):
+            break
+    assert all(0 not in table for table in b["meta"].block_tables)
+    b["cache"][:, 0] = float("nan")
+    scale = 32**-0.5
+    want, _ = reference(b, scale, None)
+    got, _ = run_kernel(b, scale, None, max_query_len=1, num_splits=num_splits)
+    torch.testing.assert_close(got[: b["real_t"]], want, atol=1e-5, rtol=1e-5)
+
+
 def test_sliding_window():
     b = make_batch(MIXED, 4, 1, 16, 4, seed=3)
     check(b, window=5, max_query_len=b["max_query_len"])
