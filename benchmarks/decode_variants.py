@@ -51,6 +51,13 @@ GATE_UP_SILU = "T32_N28672_K4096_SILU"
 DOWN, O_PROJ, QKV = "T32_N4096_K14336", "T32_N4096_K4096", "T32_N6144_K4096"
 
 
+def _values_masked(attention):
+    # Decode attention as if block 0 of the cache did not hold zeros.
+    def call(*args, **kwargs):
+        return attention(*args, **{**kwargs, "block0_zeros": False})
+    return call
+
+
 def _attention(block_n: int, warps: int, stages: int):
     # Decode attention with this tiling (one query per tile).
     def pick(max_query_len, group, head_dim, dtype, crowded=False):
@@ -91,6 +98,7 @@ VARIANTS = {
     # division and modulo (unaligned tiles), int64 offsets, or both.
     "attn_unaligned": ({}, {}, {(pa, "DECODE_ALIGNED_KEYS"): False}),
     "attn_offsets_64": ({}, {}, {(pa, "offsets_fit_int32"): lambda cache: False}),
+    "attn_v_masked": ({}, {}, {(pa, "paged_attention"): _values_masked(pa.paged_attention)}),
     "attn_old_addressing": ({}, {}, {(pa, "DECODE_ALIGNED_KEYS"): False,
                                      (pa, "offsets_fit_int32"): lambda cache: False}),
     "attn_128_3_2_splits": ({}, {}, {(pa, "pick_config"): _attention(128, 4, 3),

@@ -161,6 +161,7 @@ def _attend(
     IEEE: tl.constexpr,
     ALIGNED: tl.constexpr,
     OFFSETS_32: tl.constexpr,
+    BLOCK0_ZEROS: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi); unmasked ranges hold whole BLOCK_N tiles only.
 
@@ -181,7 +182,7 @@ def _attend(
             bt_pos = kpos // BLOCK_SIZE
         if MASKED:
             k_ok = kpos < hi
-            # Keys past the end read block 0 (in bounds) and are masked below.
+            # Keys past the end read block 0 (in bounds) and score -inf below.
             blk = tl.load(bt_row + bt_pos, mask=k_ok, other=0)
         else:
             blk = tl.load(bt_row + bt_pos)
@@ -194,10 +195,14 @@ def _attend(
         k_ptrs = kc_ptr + off[None, :] + d[:, None]
         v_ptrs = vc_ptr + off[:, None] + d[None, :]
         if MASKED and EVEN_D:
-            # A key past the end gets a score of -inf below whatever it holds,
-            # so only v (whose product with p = 0 must not be NaN) is masked.
+            # A key past the end scores -inf below whatever it holds. Its v meets
+            # p = 0, which a NaN would survive, so v is masked unless block 0
+            # holds zeros.
             k_t = tl.load(k_ptrs)
-            v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
+            if BLOCK0_ZEROS:
+                v = tl.load(v_ptrs)
+            else:
+                v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
         elif MASKED:
             k_t = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
@@ -288,6 +293,7 @@ def _attn_kernel(
     HEADS_ADJACENT: tl.constexpr,
     ALIGNED: tl.constexpr,
     OFFSETS_32: tl.constexpr,
+    BLOCK0_ZEROS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
@@ -411,6 +417,7 @@ def _attn_kernel(
             acc, m_i, l_i, q, q_pos, kv_lo, cached_hi, bt_row, kc_ptr, vc_ptr, kv_off, d,
             d_ok, qk_scale, window, stride_cb, stride_cs,
             BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE, ALIGNED, OFFSETS_32,
+            BLOCK0_ZEROS,
         )  # fmt: skip
         if NEW_KV:
             if owns_new:
@@ -430,16 +437,19 @@ def _attn_kernel(
             acc, m_i, l_i, q, q_pos, kv_lo, f_lo, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
             qk_scale, window, stride_cb, stride_cs,
             BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE, False, OFFSETS_32,
+            BLOCK0_ZEROS,
         )  # fmt: skip
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, f_lo, f_end, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
             qk_scale, window, stride_cb, stride_cs,
             BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, EVEN_D, IEEE, False, OFFSETS_32,
+            BLOCK0_ZEROS,
         )  # fmt: skip
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, f_end, kv_hi, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
             qk_scale, window, stride_cb, stride_cs,
             BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE, False, OFFSETS_32,
+            BLOCK0_ZEROS,
         )  # fmt: skip
 
     seen = l_i > 0.0
@@ -648,6 +658,7 @@ def paged_attention(
     num_splits: int | None = None,
     config: AttentionConfig | None = None,
     new_kv: NewKV | None = None,
+    block0_zeros: bool = False,
 ) -> torch.Tensor:
     """Causal GQA attention of ``q`` [T, Hq, D] over the paged cache; fills ``out``.
 
@@ -663,6 +674,10 @@ def paged_attention(
     new k, stores k and v at their slots and takes the last key from registers,
     so the rotary kernel's launch goes (``rotary_embedding_`` then
     ``write_kv_cache`` then this, in one kernel).
+
+    ``block0_zeros``: block 0 of the cache holds zeros and is in no sequence's
+    table (as ``allocate_kv_cache`` and the block allocator keep it). Key lanes
+    past a sequence's end read block 0, and then load their values unmasked.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
@@ -775,6 +790,7 @@ def paged_attention(
         ALIGNED=one_tile and DECODE_ALIGNED_KEYS and (
             cfg.block_n % block_size == 0 or block_size % cfg.block_n == 0),
         OFFSETS_32=offsets_fit_int32(kc),
+        BLOCK0_ZEROS=block0_zeros,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_args(q.device),

@@ -87,21 +87,46 @@ def test_int64_cache_offsets(monkeypatch):
     check(make_batch(DECODE, 8, 2, 32, 16, seed=5), max_query_len=1, num_splits=2, window=9)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_keys_past_the_end_never_reach_the_output(num_splits):
-    # Key lanes past a sequence's end read block 0 unmasked (their scores are
-    # masked to -inf): block 0 holding NaN must not show in any output.
-    # A batch whose sequences leave block 0 free (it lies among the spare blocks).
-    for seed in range(100):
+def _batch_leaving_block0_free(first_seed):
+    for seed in range(first_seed, first_seed + 100):
         b = make_batch(DECODE, 8, 2, 32, 16, seed=seed)
         if all(0 not in table for table in b["meta"].block_tables):
-            break
-    assert all(0 not in table for table in b["meta"].block_tables)
-    b["cache"][:, 0] = float("nan")
+            return b
+    raise AssertionError("no batch left block 0 free")
+
+
+def _check_nan_free(b, num_splits, **kw):
     scale = 32**-0.5
     want, _ = reference(b, scale, None)
-    got, _ = run_kernel(b, scale, None, max_query_len=1, num_splits=num_splits)
+    got, _ = run_kernel(b, scale, None, max_query_len=1, num_splits=num_splits, **kw)
     torch.testing.assert_close(got[: b["real_t"]], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_keys_past_the_end_never_reach_the_output(num_splits):
+    # Key lanes past a sequence's end read block 0 and load their keys unmasked
+    # (their scores are masked to -inf). Block 0, free here, holds NaN: it must
+    # not show in any output.
+    b = _batch_leaving_block0_free(0)
+    b["cache"][:, 0] = float("nan")
+    _check_nan_free(b, num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_block0_of_zeros(num_splits):
+    # With block0_zeros (the engine's cache) key lanes past a sequence's end load
+    # their values unmasked too, from block 0 and nowhere else: the rows past each
+    # sequence's end in its own last block, and every other free block, hold NaN.
+    b = _batch_leaving_block0_free(7)
+    cache, size = b["cache"], 16
+    used = {blk for table in b["meta"].block_tables for blk in table}
+    for blk in set(range(1, cache.shape[1])) - used:
+        cache[:, blk] = float("nan")
+    for table, seq_len in zip(b["meta"].block_tables, b["meta"].seq_lens, strict=True):
+        if table and seq_len % size:
+            cache[:, table[-1], seq_len % size :] = float("nan")
+    cache[:, 0] = 0.0
+    _check_nan_free(b, num_splits, block0_zeros=True)
 
 
 def test_sliding_window():

@@ -13,7 +13,9 @@ class BlockAllocator:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        # Block 0 of the cache holds zeros and belongs to no sequence
+        # (worker/attention.py: allocate_kv_cache).
+        self._free: deque[int] = deque(range(1, num_blocks + 1))
 
     @property
     def num_free(self) -> int:

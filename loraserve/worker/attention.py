@@ -50,7 +50,11 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    """Each layer's cache: block 0, zeros that no sequence gets and nothing writes,
+    then the ``num_blocks`` blocks that the block allocator hands out (ids 1 to
+    ``num_blocks``). Key lanes past a sequence's end read block 0, so the GPU
+    kernel loads their values unmasked (``paged_attention(block0_zeros=True)``)."""
+    shape = (2, 1 + num_blocks, block_size, num_kv_heads, head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
@@ -146,7 +150,7 @@ class TritonPagedAttention:
         paged_attention(
             q, kv_cache, out, meta.query_start_loc_t, meta.seq_lens_t,
             meta.block_tables_t, scale, sliding_window, max_query_len=meta.max_query_len,
-            workspace=self.workspace, new_kv=new_kv,
+            workspace=self.workspace, new_kv=new_kv, block0_zeros=True,
         )
         return out
 

@@ -153,8 +153,9 @@ class ModelRunner:
         )
         sc = self.config.scheduler_config
         wanted = sc.max_num_seqs * self.max_blocks_per_seq
+        # allocate_kv_cache adds block 0, of zeros, to the blocks counted here.
         if cc.kv_cache_memory_bytes is not None:
-            return max(1, cc.kv_cache_memory_bytes // per_block)
+            return max(1, cc.kv_cache_memory_bytes // per_block - 1)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # Everything in use now (weights, LoRA slots, other processes) plus the
@@ -163,7 +164,7 @@ class ModelRunner:
                 self.device)
             in_use = total - free - cached
             budget = int(total * cc.gpu_memory_utilization) - in_use - peak_bytes
-            blocks = budget // per_block
+            blocks = budget // per_block - 1
             if blocks < 1:
                 raise RuntimeError(
                     f"no memory left for the KV cache: {in_use / 2**30:.1f} GiB in use and "
