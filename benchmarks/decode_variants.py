@@ -60,7 +60,7 @@ def _values_masked(attention):
 
 def _attention(block_n: int, warps: int, stages: int):
     # Decode attention with this tiling (one query per tile).
-    def pick(max_query_len, group, head_dim, dtype, crowded=False):
+    def pick(max_query_len, group, head_dim, dtype, pairs_per_sm=0.0):
         return pa.AttentionConfig(1, block_n, warps, stages)
     return pick
 

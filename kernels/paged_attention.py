@@ -532,27 +532,32 @@ def pick_config(
     group: int,
     head_dim: int,
     dtype: torch.dtype,
-    crowded: bool = False,
+    pairs_per_sm: float = 0.0,
 ) -> AttentionConfig:
     """Default tiling for a batch whose longest query is ``max_query_len`` tokens.
 
-    ``crowded``: the batch has at least one (sequence, KV head) pair per SM.
+    ``pairs_per_sm``: the batch's (sequence, KV head) pairs per SM.
     The choices are the best of sweeps on an H200 (benchmarks/RESULTS.md).
     """
     group_p2 = _next_pow2(group)
     d_p2 = max(16, _next_pow2(head_dim))
     wide = d_p2 > 128 or dtype == torch.float32
     if max_query_len * group_p2 <= 16:
-        # Decode (and short speculative queries): one tile per sequence and
-        # reads dominate. A GPU with a pair per SM gains from longer key tiles
-        # and a deeper pipeline (batch 32 of the 8B shape: also at 128-576
-        # keys); fewer pairs need the occupancy of short ones.
+        # Decode (and short speculative queries): one tile per sequence. Its key
+        # loop is bound by issuing instructions, so the tiling sets how many
+        # programs an SM runs at once (graph replays of the 8B shape, twelfth
+        # session). 64-key tiles; from one pair an SM to two, 5 stages, which
+        # double-buffer K/V and still fit every program at once; from two (three
+        # programs an SM no longer hold them all) the lighter 2-stage programs;
+        # from 8, 128-key tiles (sixth session, standalone).
         block_q = _next_pow2(max_query_len)
         if wide:
             return AttentionConfig(block_q, 32, 4, 3)
-        return (
-            AttentionConfig(block_q, 128, 4, 3) if crowded else AttentionConfig(block_q, 64, 4, 2)
-        )
+        if pairs_per_sm >= 8:
+            return AttentionConfig(block_q, 128, 4, 3)
+        if 1 <= pairs_per_sm <= 2:
+            return AttentionConfig(block_q, 64, 4, 5)
+        return AttentionConfig(block_q, 64, 4, 2)
     if max_query_len * group_p2 <= 64:
         return AttentionConfig(max(1, 64 // group_p2), 32 if wide else 64, 4, 2)
     if wide:
@@ -560,8 +565,8 @@ def pick_config(
     return AttentionConfig(max(1, 128 // group_p2), 64, 8, 3)
 
 
-def _crowded(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
-    return num_seqs * num_kv_heads >= _num_sms(torch.device(device))
+def _pairs_per_sm(num_seqs: int, num_kv_heads: int, device: torch.device) -> float:
+    return num_seqs * num_kv_heads / _num_sms(torch.device(device))
 
 
 @functools.lru_cache(maxsize=8)
@@ -584,7 +589,7 @@ def choose_num_splits(
 ) -> int:
     """Split-KV factor from host sizes only (the same for every replay of a graph)."""
     mql = num_tokens if max_query_len is None else max(1, min(max_query_len, num_tokens))
-    cfg = pick_config(mql, group, head_dim, dtype, _crowded(num_seqs, num_kv_heads, device))
+    cfg = pick_config(mql, group, head_dim, dtype, _pairs_per_sm(num_seqs, num_kv_heads, device))
     tiles = num_seqs if mql <= cfg.block_q else max(num_seqs, num_tokens // cfg.block_q)
     work = max(1, tiles * num_kv_heads)
     if work >= _num_sms(torch.device(device)):
@@ -691,7 +696,7 @@ def paged_attention(
     group = num_q_heads // num_kv_heads
     mql = num_tokens if max_query_len is None else max(1, min(max_query_len, num_tokens))
     cfg = config or pick_config(
-        mql, group, head_dim, q.dtype, _crowded(num_seqs, num_kv_heads, q.device)
+        mql, group, head_dim, q.dtype, _pairs_per_sm(num_seqs, num_kv_heads, q.device)
     )
     if num_splits is None:
         num_splits = choose_num_splits(

@@ -87,14 +87,6 @@ def test_int64_cache_offsets(monkeypatch):
     check(make_batch(DECODE, 8, 2, 32, 16, seed=5), max_query_len=1, num_splits=2, window=9)
 
 
-def _batch_leaving_block0_free(first_seed):
-    for seed in range(first_seed, first_seed + 100):
-        b = make_batch(DECODE, 8, 2, 32, 16, seed=seed)
-        if all(0 not in table for table in b["meta"].block_tables):
-            return b
-    raise AssertionError("no batch left block 0 free")
-
-
 def _check_nan_free(b, num_splits, **kw):
     scale = 32**-0.5
     want, _ = reference(b, scale, None)
@@ -107,7 +99,7 @@ def test_keys_past_the_end_never_reach_the_output(num_splits):
     # Key lanes past a sequence's end read block 0 and load their keys unmasked
     # (their scores are masked to -inf). Block 0, free here, holds NaN: it must
     # not show in any output.
-    b = _batch_leaving_block0_free(0)
+    b = make_batch(DECODE, 8, 2, 32, 16, seed=0, block0_zeros=True)
     b["cache"][:, 0] = float("nan")
     _check_nan_free(b, num_splits)
 
@@ -117,7 +109,7 @@ def test_block0_of_zeros(num_splits):
     # With block0_zeros (the engine's cache) key lanes past a sequence's end load
     # their values unmasked too, from block 0 and nowhere else: the rows past each
     # sequence's end in its own last block, and every other free block, hold NaN.
-    b = _batch_leaving_block0_free(7)
+    b = make_batch(DECODE, 8, 2, 32, 16, seed=7, block0_zeros=True)
     cache, size = b["cache"], 16
     used = {blk for table in b["meta"].block_tables for blk in table}
     for blk in set(range(1, cache.shape[1])) - used:
@@ -125,7 +117,6 @@ def test_block0_of_zeros(num_splits):
     for table, seq_len in zip(b["meta"].block_tables, b["meta"].seq_lens, strict=True):
         if table and seq_len % size:
             cache[:, table[-1], seq_len % size :] = float("nan")
-    cache[:, 0] = 0.0
     _check_nan_free(b, num_splits, block0_zeros=True)
 
 
@@ -193,7 +184,7 @@ def test_window_wider_than_key_tile():
     check(b, window=37, config=cfg, num_splits=3)
 
 
-def test_long_key_tiles_of_crowded_decode():
+def test_long_key_tiles_of_big_decode_batches():
     # The tiling the default picks for big decode batches in bf16 (128 keys a step).
     cfg = pa.AttentionConfig(block_q=1, block_n=128, num_warps=4, num_stages=3)
     b = make_batch([(300, 1), (129, 1), (5, 1), (255, 1)], 8, 2, 16, 16, seed=11)

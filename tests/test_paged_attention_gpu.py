@@ -45,10 +45,17 @@ def decode_specs(n, seed, max_ctx=2048):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("batch", [1, 7, 64, 256])
+@pytest.mark.parametrize("batch", [1, 7, 32, 64, 256])
 def test_decode_real_sizes(dtype, batch):
+    # Each batch size of the H200's decode tilings: 64 keys with 2 or 5 stages,
+    # 128 keys (batch 256).
     b = make_batch(decode_specs(batch, batch), HQ, HK, D, BS, dtype, seed=batch, device="cuda")
     check(b, max_query_len=1)
+    # The engine's cache: block 0 holds zeros, and the values of key lanes past
+    # a sequence's end load unmasked from it.
+    b = make_batch(decode_specs(batch, batch), HQ, HK, D, BS, dtype, seed=batch, device="cuda",
+                   block0_zeros=True)
+    check(b, max_query_len=1, block0_zeros=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
