@@ -103,6 +103,11 @@ VARIANTS = {
                                      (pa, "offsets_fit_int32"): lambda cache: False}),
     "attn_128_3_2_splits": ({}, {}, {(pa, "pick_config"): _attention(128, 4, 3),
                                      (pa, "MAX_SPLITS"): 2, (pa, "_num_sms"): lambda device: 512}),
+    # The eleventh session's batch-32 decode attention, but for K loaded unmasked.
+    "attn_eleventh": ({}, {}, {(pa, "DECODE_ALIGNED_KEYS"): False,
+                               (pa, "offsets_fit_int32"): lambda cache: False,
+                               (pa, "paged_attention"): _values_masked(pa.paged_attention),
+                               (pa, "pick_config"): _attention(128, 4, 3)}),
     "prefetch_cols_0": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 0}),
     "prefetch_cols_512": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 512}),
     "silu_bk128_s5": ({}, {GATE_UP_SILU: _cfg(128, 128, 1, stages=5)}, {}),
