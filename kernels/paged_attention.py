@@ -547,9 +547,9 @@ def pick_config(
         # loop is bound by issuing instructions, so the tiling sets how many
         # programs an SM runs at once (graph replays of the 8B shape, twelfth
         # session). 64-key tiles; from one pair an SM to two, 5 stages, which
-        # double-buffer K/V and still fit every program at once; from two (three
-        # programs an SM no longer hold them all) the lighter 2-stage programs;
-        # from 8, 128-key tiles (sixth session, standalone).
+        # double-buffer K/V with every program resident (three fit an SM); above
+        # two (measured at four and eight) the lighter 2-stage programs; from 8,
+        # 128-key tiles (sixth session, standalone).
         block_q = _next_pow2(max_query_len)
         if wide:
             return AttentionConfig(block_q, 32, 4, 3)
