@@ -65,6 +65,14 @@ def _attention(block_n: int, warps: int, stages: int):
     return pick
 
 
+# Two splits of the keys at batch 32 (the policy sees more SMs than pairs).
+TWO_SPLITS = {(pa, "MAX_SPLITS"): 2, (pa, "_num_sms"): lambda device: 512}
+# Decode attention's key addresses as before the twelfth session: per-key division
+# and modulo, int64 offsets.
+OLD_ADDRESSING = {(pa, "DECODE_ALIGNED_KEYS"): False,
+                  (pa, "offsets_fit_int32"): lambda cache: False}
+V_MASKED = {(pa, "paged_attention"): _values_masked(pa.paged_attention)}
+
 # name -> (environment, {dense table key: entry}, {(module, attribute): value}):
 # the switches, and configs tried against the defaults (benchmarks/RESULTS.md).
 VARIANTS = {
@@ -86,27 +94,22 @@ VARIANTS = {
     "attn_64_3": ({}, {}, {(pa, "pick_config"): _attention(64, 4, 3)}),
     "attn_seqs_adjacent": ({}, {}, {(pa, "DECODE_HEADS_ADJACENT"): False}),
     "attn_128_w8": ({}, {}, {(pa, "pick_config"): _attention(128, 8, 3)}),
-    "attn_2_splits": ({}, {}, {(pa, "MAX_SPLITS"): 2, (pa, "_num_sms"): lambda device: 512}),
+    "attn_2_splits": ({}, {}, TWO_SPLITS),
     "attn_64_2": ({}, {}, {(pa, "pick_config"): _attention(64, 4, 2)}),
     "attn_32_4": ({}, {}, {(pa, "pick_config"): _attention(32, 4, 4)}),
     "attn_32_w2_4": ({}, {}, {(pa, "pick_config"): _attention(32, 2, 4)}),
     "attn_64_w2_3": ({}, {}, {(pa, "pick_config"): _attention(64, 2, 3)}),
     "attn_128_2": ({}, {}, {(pa, "pick_config"): _attention(128, 4, 2)}),
-    "attn_64_3_2_splits": ({}, {}, {(pa, "pick_config"): _attention(64, 4, 3),
-                                    (pa, "MAX_SPLITS"): 2, (pa, "_num_sms"): lambda device: 512}),
+    "attn_64_3_2_splits": ({}, {}, {**TWO_SPLITS, (pa, "pick_config"): _attention(64, 4, 3)}),
     # Decode attention's key addresses as before the twelfth session: per key
     # division and modulo (unaligned tiles), int64 offsets, or both.
     "attn_unaligned": ({}, {}, {(pa, "DECODE_ALIGNED_KEYS"): False}),
     "attn_offsets_64": ({}, {}, {(pa, "offsets_fit_int32"): lambda cache: False}),
-    "attn_v_masked": ({}, {}, {(pa, "paged_attention"): _values_masked(pa.paged_attention)}),
-    "attn_old_addressing": ({}, {}, {(pa, "DECODE_ALIGNED_KEYS"): False,
-                                     (pa, "offsets_fit_int32"): lambda cache: False}),
-    "attn_128_3_2_splits": ({}, {}, {(pa, "pick_config"): _attention(128, 4, 3),
-                                     (pa, "MAX_SPLITS"): 2, (pa, "_num_sms"): lambda device: 512}),
+    "attn_v_masked": ({}, {}, V_MASKED),
+    "attn_old_addressing": ({}, {}, OLD_ADDRESSING),
+    "attn_128_3_2_splits": ({}, {}, {**TWO_SPLITS, (pa, "pick_config"): _attention(128, 4, 3)}),
     # The eleventh session's batch-32 decode attention, but for K loaded unmasked.
-    "attn_eleventh": ({}, {}, {(pa, "DECODE_ALIGNED_KEYS"): False,
-                               (pa, "offsets_fit_int32"): lambda cache: False,
-                               (pa, "paged_attention"): _values_masked(pa.paged_attention),
+    "attn_eleventh": ({}, {}, {**OLD_ADDRESSING, **V_MASKED,
                                (pa, "pick_config"): _attention(128, 4, 3)}),
     "prefetch_cols_0": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 0}),
     "prefetch_cols_512": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 512}),
