@@ -105,11 +105,12 @@ VARIANTS = {
     # division and modulo (unaligned tiles), int64 offsets, or both.
     "attn_unaligned": ({}, {}, {(pa, "DECODE_ALIGNED_KEYS"): False}),
     "attn_offsets_64": ({}, {}, {(pa, "offsets_fit_int32"): lambda cache: False}),
+    "attn_untrimmed": ({}, {}, {(pa, "DECODE_LOOP_TRIM"): False}),
     "attn_v_masked": ({}, {}, V_MASKED),
     "attn_old_addressing": ({}, {}, OLD_ADDRESSING),
     "attn_128_3_2_splits": ({}, {}, {**TWO_SPLITS, (pa, "pick_config"): _attention(128, 4, 3)}),
     # The eleventh session's batch-32 decode attention, but for K loaded unmasked.
-    "attn_eleventh": ({}, {}, {**OLD_ADDRESSING, **V_MASKED,
+    "attn_eleventh": ({}, {}, {**OLD_ADDRESSING, **V_MASKED, (pa, "DECODE_LOOP_TRIM"): False,
                                (pa, "pick_config"): _attention(128, 4, 3)}),
     "prefetch_cols_0": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 0}),
     "prefetch_cols_512": ({}, {}, {(dense_gemm, "PREFETCH_COLUMNS"): 512}),

@@ -87,6 +87,9 @@ DECODE_HEADS_ADJACENT = True
 # Decode tiles start aligned, so their key addresses come from per-lane offsets
 # (`_attend`'s ALIGNED); False for a side-by-side measurement only.
 DECODE_ALIGNED_KEYS = True
+# The decode loop's block-table entry per block (tiles of up to 64 keys) and no
+# causal mask for one query a tile; False for a side-by-side measurement only.
+DECODE_LOOP_TRIM = True
 # Sequences scanned per step when a tile looks up its sequence.
 _SEARCH_BLOCK = 128
 _LOG2E = 1.4426950408889634
@@ -163,8 +166,13 @@ def _attend(
     OFFSETS_32: tl.constexpr,
     BLOCK0_ZEROS: tl.constexpr,
     CAUSAL: tl.constexpr,
+    BT_PER_BLOCK: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi); unmasked ranges hold whole BLOCK_N tiles only.
+
+    BT_PER_BLOCK (ALIGNED only): load one block-table entry per block a tile
+    spans, not one per key (sm_90, Triton 3.6: the 64-key loop's 426
+    instructions become 333 at 5 stages; 128-key tiles grow from 454 to 535).
 
     CAUSAL: mask keys past each row's query. Without it every row sees all of
     [lo, hi): right for one query a sequence, whose keys all come before it
@@ -185,12 +193,9 @@ def _attend(
             bt_pos = start // BLOCK_SIZE + lane_blk
         else:
             bt_pos = kpos // BLOCK_SIZE
-        if MASKED and ALIGNED and BLOCK_N <= 64:
+        if MASKED and BT_PER_BLOCK:
             k_ok = kpos < hi
-            # One table entry per block the tile spans, spread over its keys
-            # (sm_90, Triton 3.6: the 64-key loop's 426 instructions become 333
-            # at 5 stages; 128-key tiles grow from 454 to 535, so they keep the
-            # entry per key).
+            # One table entry per block the tile spans, spread over its keys.
             nb: tl.constexpr = max(1, BLOCK_N // BLOCK_SIZE)
             first = start // BLOCK_SIZE + tl.arange(0, nb)
             ids = tl.load(bt_row + first, mask=first * BLOCK_SIZE < hi, other=0)
@@ -313,6 +318,8 @@ def _attn_kernel(
     ALIGNED: tl.constexpr,
     OFFSETS_32: tl.constexpr,
     BLOCK0_ZEROS: tl.constexpr,
+    DECODE_TRIM: tl.constexpr,
+    BT_PER_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
@@ -436,7 +443,7 @@ def _attn_kernel(
             acc, m_i, l_i, q, q_pos, kv_lo, cached_hi, bt_row, kc_ptr, vc_ptr, kv_off, d,
             d_ok, qk_scale, window, stride_cb, stride_cs,
             BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE, ALIGNED, OFFSETS_32,
-            BLOCK0_ZEROS, BLOCK_Q > 1,
+            BLOCK0_ZEROS, BLOCK_Q > 1 or not DECODE_TRIM, BT_PER_BLOCK,
         )  # fmt: skip
         if NEW_KV:
             if owns_new:
@@ -456,19 +463,19 @@ def _attn_kernel(
             acc, m_i, l_i, q, q_pos, kv_lo, f_lo, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
             qk_scale, window, stride_cb, stride_cs,
             BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE, False, OFFSETS_32,
-            BLOCK0_ZEROS, True,
+            BLOCK0_ZEROS, True, False,
         )  # fmt: skip
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, f_lo, f_end, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
             qk_scale, window, stride_cb, stride_cs,
             BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, EVEN_D, IEEE, False, OFFSETS_32,
-            BLOCK0_ZEROS, True,
+            BLOCK0_ZEROS, True, False,
         )  # fmt: skip
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, f_end, kv_hi, bt_row, kc_ptr, vc_ptr, kv_off, d, d_ok,
             qk_scale, window, stride_cb, stride_cs,
             BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, EVEN_D, IEEE, False, OFFSETS_32,
-            BLOCK0_ZEROS, True,
+            BLOCK0_ZEROS, True, False,
         )  # fmt: skip
 
     seen = l_i > 0.0
@@ -755,6 +762,8 @@ def paged_attention(
     assert not split or num_tiles * num_kv_heads <= _MAX_LOCKS
     assert new_kv is None or one_tile, "new_kv: a query tile per sequence (decode tiling)"
     kc, vc = kv_cache[0], kv_cache[1]
+    aligned = one_tile and DECODE_ALIGNED_KEYS and (
+        cfg.block_n % block_size == 0 or block_size % cfg.block_n == 0)
     # Decode launches the KV heads of a sequence next to each other: they read
     # neighbouring 256-byte pieces of the same cache rows at about the same time.
     heads_adjacent = one_tile and DECODE_HEADS_ADJACENT
@@ -811,10 +820,11 @@ def paged_attention(
         NEW_KV=new_kv is not None,
         HALF=head_dim // 2,
         HEADS_ADJACENT=heads_adjacent,
-        ALIGNED=one_tile and DECODE_ALIGNED_KEYS and (
-            cfg.block_n % block_size == 0 or block_size % cfg.block_n == 0),
+        ALIGNED=aligned,
         OFFSETS_32=offsets_fit_int32(kc),
         BLOCK0_ZEROS=block0_zeros,
+        DECODE_TRIM=DECODE_LOOP_TRIM,
+        BT_PER_BLOCK=aligned and DECODE_LOOP_TRIM and cfg.block_n <= 64,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_args(q.device),
