@@ -518,6 +518,17 @@ def _attn_kernel(
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=st_mask)
 
 
+# Prefill and mixed batches run eagerly, and their sequence count, block-table
+# width and workspace strides change from step to step. Triton compiles a
+# variant of a kernel for each int argument that is 1 or a multiple of 16, so
+# each new combination cost a 1.5-2 s compile on a request's path after start-up
+# (benchmarks/first_use.py, RESULTS). Query-tiled launches take this kernel,
+# which does not specialise on them; decode keeps the specialised one, whose
+# values a CUDA graph fixes.
+_RAGGED_INTS = ["num_seqs", "num_splits", "stride_bt", "ws_o_ss", "ws_lse_ss"]
+_attn_kernel_ragged = triton.jit(do_not_specialize=_RAGGED_INTS)(_attn_kernel.fn)
+
+
 @dataclass(frozen=True)
 class NewKV:
     """A decode step's own keys and values, for ``paged_attention(..., new_kv=)``:
@@ -769,7 +780,8 @@ def paged_attention(
     heads_adjacent = one_tile and DECODE_HEADS_ADJACENT
     grid = ((num_kv_heads, num_tiles, num_splits) if heads_adjacent
             else (num_tiles, num_kv_heads, num_splits))
-    _attn_kernel[grid](
+    kernel = _attn_kernel if one_tile else _attn_kernel_ragged
+    kernel[grid](
         q,
         kc,
         vc,

@@ -85,6 +85,29 @@ def test_mixed_prefill_chunked_decode(dtype):
     check(b, window=300, max_query_len=b["max_query_len"])
 
 
+def test_prefill_batches_of_any_shape_share_one_compiled_kernel():
+    # Sequence counts of 1, 3 and 16, block tables 7 and 16 wide: each a new
+    # specialisation (1, multiples of 16) of a kernel that specialises on them.
+    from triton import knobs
+
+    compiles = []
+
+    def count(**kw):
+        compiles.append(str(kw.get("repr", kw.get("key"))))
+        return False
+
+    batches = [[(0, 100)], [(0, 37), (60, 40), (5, 64)], [(0, 256)] * 16]
+    hook, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, count
+    try:
+        for i, specs in enumerate(batches):
+            b = make_batch(specs, HQ, HK, D, BS, torch.bfloat16, seed=10 + i, device="cuda")
+            check(b, max_query_len=b["max_query_len"])
+    finally:
+        knobs.runtime.jit_cache_hook = hook
+    attention = [c for c in compiles if c.startswith("_attn_kernel[")]
+    assert len(attention) <= 1, attention
+
+
 @pytest.mark.parametrize("head_dim,hq,hk", [(64, 16, 16), (64, 14, 2), (256, 8, 1)])
 def test_other_shapes(head_dim, hq, hk):
     specs = [(0, 300), (100, 20)] + decode_specs(6, 5, 600)
