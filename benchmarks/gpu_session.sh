@@ -17,12 +17,16 @@
 #             VARIANT_CONTEXT)
 #   decode32  base decode at batch 32 (offline.py --decode-rate; DECODE_REPEATS runs, the
 #             median), and the same through PEFT
+#   timeline  where the batch-32 decode run's wall time goes: host, prefill, decode steps,
+#             device idle between them (run_timeline.py)
 #   offprof   where the offline run's LoRA overhead goes: prefill vs decode, GPU time by
 #             kernel kind (profile_offline.py)
 #   offline   LoRA vs base offline throughput, 32 rank-16 adapters, 256 requests
 #             (OFFLINE_REPEATS alternating base/LoRA runs in one process, default 3)
 #   startup   graph capture time and memory, LoRA vs base (startup.py; PROFILE_STARTUP=1
 #             adds a cProfile of each start, which slows the host side)
+#   firstuse  the Triton compiles on requests' paths after start-up, LoRA engine as served
+#             (first_use.py)
 #   serve     a LoRA server; ITL at batch 1 and 64 with and without LoRA, and the
 #             fixed-rate serving benchmark with 8 and 64 adapters under --max-loras 8
 set -uo pipefail
@@ -91,7 +95,7 @@ if has attention; then
   echo "attention rc=$?" >> "$OUT/attention.log"
 fi
 
-if has profile || has variants || has decode32 || has offprof || has offline || has startup || has serve; then
+if has profile || has variants || has decode32 || has timeline || has offprof || has offline || has startup || has firstuse || has serve; then
   stamp setup
   # The serving runs pick from 64 adapters; the offline runs use the first 32.
   python3 benchmarks/make_bench_setup.py --out /tmp/bench \
@@ -143,6 +147,13 @@ if has decode32; then
   fi
 fi
 
+if has timeline; then
+  stamp timeline
+  (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 run_timeline.py --model $MODEL \
+      --load-format dummy --json "$OUT/timeline.json") > "$OUT/timeline.log" 2>&1
+  echo "timeline rc=$?" >> "$OUT/timeline.log"
+fi
+
 if has offprof; then
   stamp offprof
   (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 profile_offline.py --model $MODEL \
@@ -171,6 +182,14 @@ if has startup; then
       ${PROFILE_STARTUP:+--profile-dir "$OUT/startup_profile"} \
       --json "$OUT/startup.json") > "$OUT/startup.log" 2>&1
   echo "startup rc=$?" >> "$OUT/startup.log"
+fi
+
+if has firstuse; then
+  stamp firstuse
+  (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 first_use.py --model $MODEL \
+      --load-format dummy --adapters $ADAPTERS --json "$OUT/first_use.json") \
+      > "$OUT/first_use.log" 2>&1
+  echo "firstuse rc=$?" >> "$OUT/first_use.log"
 fi
 
 if has serve; then
