@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from offline import adapter_names, machine, make_prompts
+from profile_offline import timed
 from triton import knobs
 
 from loraserve import LLM, LoRARequest, SamplingParams
@@ -81,13 +81,10 @@ def main() -> None:
                "machine": machine(), "phases": []}
     for name, batch, per_prompt in phases:
         before = len(compiles)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        llm.generate(batch, params, per_prompt, use_tqdm=False)
-        torch.cuda.synchronize()
+        seconds = timed(llm, batch, params, per_prompt)
         new = compiles[before:]
         results["phases"].append({
-            "phase": name, "seconds": time.perf_counter() - start, "compiles": len(new),
+            "phase": name, "seconds": seconds, "compiles": len(new),
             "compile_seconds": sum(c["seconds"] or 0 for c in new), "kernels": new,
         })
         print(name, round(results["phases"][-1]["seconds"], 2), "s,", len(new), "compiles",

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from offline import machine, make_prompts
+from profile_offline import timed
 from torch.profiler import ProfilerActivity, profile
 
 from loraserve import LLM, SamplingParams
@@ -59,14 +60,6 @@ def gaps(spans: list[tuple[float, float, str]], lo: float, hi: float) -> tuple[f
     return idle, {k: {"us": round(v[0], 1), "count": v[1]} for k, v in top}
 
 
-def timed(llm: LLM, prompts, params) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", required=True)
@@ -83,14 +76,14 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
                  use_tqdm=False)
-    before = timed(llm, prompts, params)
+    before = timed(llm, prompts, params, None)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
         profiled = time.perf_counter() - start
-    after = timed(llm, prompts, params)
+    after = timed(llm, prompts, params, None)
 
     spans = device_events(prof)
     first, last = spans[0][0], max(b for _, b, _ in spans)
