@@ -47,6 +47,25 @@ def _pickle_only(path: Path) -> None:
     (path / "adapter_model.safetensors").unlink()
 
 
+def _edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / "adapter_config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key)
+        else:
+            config[key] = value
+    (path / "adapter_config.json").write_text(json.dumps(config))
+
+
+def _poison(path: Path, value: float, which: str = "lora_B") -> str:
+    """Put `value` into one element of one tensor; returns that tensor's name."""
+    tensors = load_file(path / "adapter_model.safetensors")
+    key = sorted(k for k in tensors if which in k)[3]
+    tensors[key][0, 0] = value
+    save_file(tensors, path / "adapter_model.safetensors")
+    return key
+
+
 def _bad_layer(path: Path) -> None:
     tensors = load_file(path / "adapter_model.safetensors")
     key = next(k for k in tensors if "layers.0." in k)
@@ -64,6 +83,11 @@ def _bad_layer(path: Path) -> None:
         ("no_weights", lambda p: (p / "adapter_model.safetensors").unlink(),
          "adapter_model.safetensors is missing"),
         ("missing_layer", _bad_layer, "layers.9"),
+        ("no_alpha", lambda p: _edit_config(p, lora_alpha=None), "has no 'lora_alpha'"),
+        ("text_alpha", lambda p: _edit_config(p, lora_alpha="16"), "'lora_alpha' must be"),
+        ("zero_r", lambda p: _edit_config(p, r=0), "'r' must be a positive integer"),
+        ("big_pattern", lambda p: _edit_config(p, rank_pattern={"q_proj": 64}),
+         "rank 64 is greater than max_lora_rank 16"),
     ],
 )
 def test_bad_adapter_is_refused_and_engine_serves(llm, llama_adapters, prompts, tmp_path,
@@ -82,6 +106,45 @@ def test_rank_above_max_is_refused(llm, llama_dir, prompts, llama_adapters, tmp_
     with pytest.raises(LoRAError, match="rank 32 is greater than max_lora_rank 16"):
         llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, LoRARequest("big", 60, path))
     _assert_still_serves(llm, llama_adapters, prompts)
+
+
+def test_config_rank_above_max_is_refused_even_with_small_tensors(llm, llama_adapters,
+                                                                 prompts, tmp_path):
+    path = _copy(llama_adapters["r8"], tmp_path / "claims_r32")
+    _edit_config(path, r=32)
+    with pytest.raises(LoRAError, match="rank 32 is greater than max_lora_rank 16"):
+        llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY,
+                     LoRARequest("claims-r32", 61, str(path)))
+    _assert_still_serves(llm, llama_adapters, prompts)
+
+
+@pytest.mark.parametrize("value,which", [(float("nan"), "lora_A"), (float("inf"), "lora_B"),
+                                         (float("-inf"), "lora_A")])
+def test_non_finite_weights_are_refused_naming_the_tensor(llm, llama_adapters, prompts,
+                                                          tmp_path, value, which):
+    path = _copy(llama_adapters["r8"], tmp_path / "poisoned")
+    key = _poison(path, value, which)
+    with pytest.raises(LoRAError) as err:
+        llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY,
+                     LoRARequest("poisoned", 62, str(path)))
+    assert "poisoned" in str(err.value) and key in str(err.value)
+    assert "NaN or infinite" in str(err.value)
+    assert "poisoned" not in llm.engine.lora_manager.cpu_names()
+    _assert_still_serves(llm, llama_adapters, prompts)
+
+
+def test_weights_that_overflow_the_lora_dtype_are_refused(llm, llama_adapters, tmp_path):
+    """Finite in the file, infinite once cast to float16 and scaled by alpha / r."""
+    from loraserve.lora.peft_adapter import load_lora_model
+
+    path = _copy(llama_adapters["r8"], tmp_path / "huge")
+    key = _poison(path, 60000.0, "lora_B")  # float16 tops out at 65504; alpha / r = 2
+    info = llm.engine.lora_manager.info
+    with pytest.raises(LoRAError, match="overflows torch.float16") as err:
+        load_lora_model(LoRARequest("huge", 63, str(path)), info, 16, torch.float16)
+    assert key in str(err.value)
+    # The same file is fine in float32.
+    assert load_lora_model(LoRARequest("huge", 63, str(path)), info, 16, torch.float32).modules
 
 
 def test_missing_directory_and_offline_hub(llm, llama_adapters, prompts, monkeypatch):

@@ -5,9 +5,11 @@ memory, and the filesystem resolver."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,6 +24,56 @@ SLOW_LOAD_S = 3.0
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("lora_runtime")
+
+
+class SlowConfig:
+    """An adapter copy whose adapter_config.json is a named pipe: each read of it
+    blocks until `delay` seconds after the reader opened it, a disk read as slow
+    as a real one from a network share. (The weights cannot be the pipe:
+    safetensors maps its file into memory, and a pipe cannot be mapped.)"""
+
+    def __init__(self, src: str, dst: Path) -> None:
+        shutil.copytree(src, dst)
+        self.path = dst / "adapter_config.json"
+        self.content = self.path.read_bytes()
+        self.path.unlink()
+        os.mkfifo(self.path)
+        self.dir = str(dst)
+        self.delay = 0.0  # start-up reads it at once
+        self._stop = threading.Event()
+        self._writer = threading.Thread(target=self._serve, daemon=True)
+        self._writer.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with open(self.path, "wb") as pipe:  # waits for a reader
+                    if self._stop.is_set():
+                        return
+                    time.sleep(self.delay)
+                    pipe.write(self.content)
+            except BrokenPipeError:
+                pass  # the reader gave up; serve the next one
+            # The next reader gets a pipe of its own: writing the next copy into this
+            # one would reach the reader still on it before its end of file.
+            fresh = self.path.with_name(self.path.name + ".next")
+            os.mkfifo(fresh)
+            os.replace(fresh, self.path)
+
+    def close(self) -> None:
+        self._stop.set()
+        # A writer waiting for a reader wakes when one opens the pipe.
+        os.close(os.open(self.path, os.O_RDONLY | os.O_NONBLOCK))
+        self._writer.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def slow_adapters(workdir, llama_adapters) -> dict[str, SlowConfig]:
+    slow = {"slow": SlowConfig(llama_adapters["r16_qv"], workdir / "slow"),
+            "slowrt": SlowConfig(llama_adapters["r1"], workdir / "slowrt")}
+    yield slow
+    for adapter in slow.values():
+        adapter.close()
 
 
 @pytest.fixture(scope="module")
@@ -40,22 +92,24 @@ def resolver_dir(workdir, llama_adapters) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir, llama_adapters, fragile, resolver_dir):
+def server(llama_dir, llama_adapters, fragile, resolver_dir, slow_adapters):
     # Four start-up adapters and room for two in CPU memory: `fragile` and `slow`
     # are evicted at once, so their first requests load them in the background.
     with ServerProcess(
         [
             llama_dir, "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "2",
             "--served-model-name", "base",
-            "--lora-modules", f"fragile={fragile}", f"slow={llama_adapters['r16_qv']}",
+            "--lora-modules", f"fragile={fragile}", f"slow={slow_adapters['slow'].dir}",
             f"a1={llama_adapters['r8']}", f"a3={llama_adapters['r1']}",
         ],
         env={
             "LORASERVE_ALLOW_RUNTIME_LORA_UPDATING": "true",
             "LORASERVE_LORA_RESOLVER_CACHE_DIR": resolver_dir,
-            "LORASERVE_TEST_LORA_LOAD_DELAY": f"slow={SLOW_LOAD_S},slowrt={SLOW_LOAD_S}",
         },
     ) as srv:
+        # From now on every read of the slow adapters takes SLOW_LOAD_S.
+        for adapter in slow_adapters.values():
+            adapter.delay = SLOW_LOAD_S
         yield srv
 
 
@@ -118,7 +172,7 @@ def stream_while(server, action):
 
 
 def assert_no_stall(t0: float, t1: float, stamps: list[float]) -> None:
-    assert t1 - t0 >= SLOW_LOAD_S * 0.9, "the test hook did not slow the load"
+    assert t1 - t0 >= SLOW_LOAD_S * 0.9, "the adapter's read was not slow"
     during = [t for t in stamps if t0 <= t <= t0 + SLOW_LOAD_S]
     assert len(during) >= 10, f"only {len(during)} tokens while the adapter loaded"
     gaps = [b - a for a, b in zip(during, during[1:], strict=False)]
@@ -133,8 +187,8 @@ def test_slow_adapter_load_does_not_stall_other_streams(server, reference):
     assert_no_stall(t0, t1, stamps)
 
 
-def test_slow_runtime_load_does_not_stall_other_streams(server, llama_adapters, reference):
-    body = {"lora_name": "slowrt", "lora_path": llama_adapters["r1"]}
+def test_slow_runtime_load_does_not_stall_other_streams(server, slow_adapters, reference):
+    body = {"lora_name": "slowrt", "lora_path": slow_adapters["slowrt"].dir}
     response, t0, t1, stamps = stream_while(
         server, lambda: server.post("/v1/load_lora_adapter", body))
     assert response.status_code == 200, response.text

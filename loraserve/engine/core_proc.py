@@ -9,6 +9,7 @@ process exits on SHUTDOWN, SIGTERM/SIGINT, or as soon as its parent is gone.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -39,13 +40,12 @@ from loraserve.engine.utility import (
 )
 from loraserve.lora.request import LoRARequest
 
+logger = logging.getLogger(__name__)
+
 # Only these EngineCore methods may be called from the front end.
 UTILITY_METHODS = frozenset(
     {"add_lora", "remove_lora", "list_loras", "get_stats", "pin_lora", "lora_memory_usage"}
 )
-# Test-only: "name=seconds,..." slows the disk load of those adapters, to show that a
-# slow load does not stall other requests.
-ENV_TEST_LOAD_DELAY = "LORASERVE_TEST_LORA_LOAD_DELAY"
 # Stats go out with every step that has outputs, and at least this often otherwise
 # so that the metrics follow an idle engine too.
 _STATS_INTERVAL_S = 0.25
@@ -63,24 +63,6 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
     except (OSError, AttributeError):
         pass  # not Linux: the parent-pid check in the loop still catches it
-
-
-def _install_test_load_delay(core: Any) -> None:
-    spec = os.environ.get(ENV_TEST_LOAD_DELAY)
-    manager = getattr(core, "lora_manager", None)
-    if not spec or manager is None:
-        return
-    delays = {}
-    for item in spec.split(","):
-        name, _, seconds = item.partition("=")
-        delays[name.strip()] = float(seconds)
-    load = manager.load
-
-    def slow_load(lora_request: LoRARequest) -> Any:
-        time.sleep(delays.get(lora_request.lora_name, 0.0))
-        return load(lora_request)
-
-    manager.load = slow_load
 
 
 def _use_thread_locks_for_progress_bars() -> None:
@@ -122,6 +104,20 @@ class RuntimeLoRALoader:
         future = self._pool.submit(self.core.read_lora, lora_request)
         self.pending.append(_PendingAdd(call, lora_request, pinned, future))
         return True
+
+    def drop(self, lora_name: str) -> list[UtilityResult]:
+        """Give up the adds of an adapter that is being unloaded, so that none of
+        them makes it resident again once the unload is done."""
+        dropped = [item for item in self.pending if item.lora_request.lora_name == lora_name]
+        self.pending = [item for item in self.pending if item not in dropped]
+        results = []
+        for item in dropped:
+            item.future.cancel()
+            results.append(UtilityResult(
+                call_id=item.call.call_id, error_type="LoRAError",
+                error=f"LoRA adapter {lora_name!r} was unloaded while it loaded",
+            ))
+        return results
 
     def finished(self) -> list[UtilityResult]:
         """Complete the loads that are done; their results, in submission order."""
@@ -200,7 +196,11 @@ class EngineCoreProc:
                 frames = self.in_sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            kind, payload = self.decoder.decode(frames)
+            try:
+                kind, payload = self.decoder.decode(frames)
+            except (msgspec.DecodeError, ValueError, IndexError) as exc:
+                self._refuse_undecodable(frames, exc)
+                continue
             if kind is InputKind.ADD:
                 self._add_request(payload)
             elif kind is InputKind.ABORT:
@@ -224,12 +224,37 @@ class EngineCoreProc:
             )
             self._send_outputs(EngineCoreOutputs(outputs=[failed]), force=True)
 
+    def _refuse_undecodable(self, frames: list[bytes], exc: Exception) -> None:
+        """A message that does not decode fails alone; a request among them is
+        still answered when its id can be read."""
+        logger.error("dropping an engine input that does not decode: %s", exc)
+        try:
+            kind = InputKind(frames[0][0])
+            raw = msgspec.msgpack.decode(frames[1])
+        except (msgspec.DecodeError, ValueError, IndexError):
+            return
+        if kind is InputKind.ADD and isinstance(raw, dict):
+            request_id = raw.get("request_id")
+            if isinstance(request_id, str):
+                failed = EngineCoreOutput(
+                    request_id=request_id, new_token_ids=[],
+                    finish_reason=FinishReason.ERROR, error=f"invalid request: {exc}",
+                )
+                self._send_outputs(EngineCoreOutputs(outputs=[failed]), force=True)
+        elif kind is InputKind.UTILITY and isinstance(raw, list) and raw:
+            if isinstance(raw[0], int):
+                self._send_utility_result(UtilityResult(
+                    call_id=raw[0], error_type="ValueError", error=f"invalid call: {exc}"))
+
     def _send_utility_result(self, result: UtilityResult) -> None:
         self.out_sock.send_multipart(encode(OutputKind.UTILITY_RESULT, result), copy=False)
 
     def _call_utility(self, call: UtilityCall) -> None:
         if call.method == "add_lora" and self.lora_loader.submit(call):
             return  # answered from the loop once the adapter is read
+        if call.method == "remove_lora" and call.args:
+            for dropped in self.lora_loader.drop(str(call.args[0])):
+                self._send_utility_result(dropped)
         result = UtilityResult(call_id=call.call_id)
         try:
             args = list(call.args)
@@ -251,6 +276,11 @@ def run_engine_core(
     """Process entry point (multiprocessing target)."""
     _die_with_parent()
     _use_thread_locks_for_progress_bars()
+    # Here, not at import: the API server imports this module and needs no torch.
+    from loraserve.engine.torch_threads import configure_torch_threads
+
+    # Before any torch work: the inter-op pool can only be sized before it starts.
+    configure_torch_threads(share_with_frontend=True)
 
     def _on_signal(signum: int, frame: Any) -> None:
         raise _Stop()
@@ -278,7 +308,6 @@ def run_engine_core(
             from loraserve.engine.engine_core import EngineCore
 
             core = EngineCore(config)
-            _install_test_load_delay(core)
         except Exception as exc:  # noqa: BLE001 - sent to the parent, which prints it
             traceback.print_exc()
             message = f"{type(exc).__name__}: {exc}"

@@ -8,6 +8,11 @@ handling run while the device computes. A token still in flight counts in its
 request's length (`Request.num_pending`) and the model runner takes it from the
 previous step's ids on the device. The cost: a request that stops on EOS or a
 stop token has already been given one more step, whose token is dropped.
+
+A request can only fail alone: add_request refuses what a step could not run
+(token ids outside the vocabulary, an unloaded adapter), and an exception inside
+a step fails the requests it belongs to, found by running them one at a time,
+while the others keep their tokens and the loop goes on.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from loraserve.engine.protocol import (
     SchedulerStats,
 )
 from loraserve.engine.request import Request, RequestStatus
-from loraserve.engine.scheduler import Scheduler, SchedulerOutput
+from loraserve.engine.scheduler import Scheduler
 from loraserve.lora.peft_adapter import LoRAModel
 from loraserve.lora.request import LoRARequest
 from loraserve.worker.input_batch import SeqInput, StepInput
@@ -63,6 +68,21 @@ class EngineCore:
         """Queue a request. Raises ValueError for one that can never run."""
         if ecr.request_id in self.requests:
             raise ValueError(f"request id {ecr.request_id!r} is already in use")
+        self._check_request(ecr)
+        req = Request.from_engine_request(ecr)
+        if ecr.sampling_params.seed is not None:
+            req.generator = torch.Generator(device=self.config.device).manual_seed(
+                ecr.sampling_params.seed
+            )
+        self.requests[req.request_id] = req
+        self.scheduler.add_request(req)
+        name = req.lora_name
+        if name is not None and not self.lora_manager.is_ready(name):
+            self.lora_manager.start_background_load(req.lora_request)
+
+    def _check_request(self, ecr: EngineCoreRequest) -> None:
+        """Everything a step does per request must be possible: an id outside the
+        vocabulary would fail (on a GPU, poison) the batched sampler of a whole step."""
         prompt_len = len(ecr.prompt_token_ids)
         max_len = self.config.scheduler_config.max_model_len
         if prompt_len == 0:
@@ -78,20 +98,21 @@ class EngineCore:
                 f"{self.kv.capacity_tokens}"
             )
         vocab = self.config.model_config.hf_config.vocab_size
-        if any(t < 0 or t >= vocab for t in ecr.prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if ecr.lora_request is not None and self.lora_manager is None:
-            raise ValueError("a LoRA adapter was requested but LoRA is not enabled")
-        req = Request.from_engine_request(ecr)
-        if ecr.sampling_params.seed is not None:
-            req.generator = torch.Generator(device=self.config.device).manual_seed(
-                ecr.sampling_params.seed
+        params = ecr.sampling_params
+        _check_token_ids("prompt token ids", ecr.prompt_token_ids, vocab)
+        _check_token_ids("stop_token_ids", params.stop_token_ids or [], vocab)
+        if ecr.eos_token_id is not None:
+            _check_token_ids("eos_token_id", [ecr.eos_token_id], vocab)
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(
+                f"logprobs must be at most the vocabulary size {vocab}, got {params.logprobs}"
             )
-        self.requests[req.request_id] = req
-        self.scheduler.add_request(req)
-        name = req.lora_name
-        if name is not None and not self.lora_manager.is_ready(name):
-            self.lora_manager.start_background_load(req.lora_request)
+        lora = ecr.lora_request
+        if lora is not None:
+            if self.lora_manager is None:
+                raise ValueError("a LoRA adapter was requested but LoRA is not enabled")
+            if self.lora_manager.is_retired(lora):
+                raise ValueError(f"LoRA adapter {lora.lora_name!r} was unloaded")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -132,11 +153,14 @@ class EngineCore:
             pass  # every slot is busy this step; it gets one when a step needs it
 
     def remove_lora(self, lora_name: str) -> bool:
+        """Free the adapter for good: its requests fail, and a request that still
+        names it (resolved before the unload) is refused instead of loading it again."""
         manager = self._require_lora()
-        if lora_name in self.scheduler.running_loras() | self.scheduler.waiting_loras():
-            # Their adapter is gone: answer them with an error rather than leave them.
-            self._fail_requests_of(lora_name, f"LoRA adapter {lora_name!r} was unloaded")
-        return manager.remove(lora_name)
+        ids = {r.lora_request.lora_int_id for r in self.requests.values()
+               if r.lora_name == lora_name}
+        # Their adapter is gone: answer them with an error rather than leave them.
+        self._fail_requests_of(lora_name, f"LoRA adapter {lora_name!r} was unloaded")
+        return manager.remove(lora_name, ids)
 
     def pin_lora(self, lora_name: str) -> None:
         self._require_lora().pin(lora_name)
@@ -152,9 +176,21 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         outputs = self._pending
         self._pending = []
-        if self._in_flight is not None and not self._can_overlap():
-            outputs += self._finish(self._in_flight)
+        try:
+            self._step(outputs)
+        except Exception as exc:  # noqa: BLE001 - the loop must outlive any bug
+            # Outside any one request's work (scheduling, adapter bookkeeping): no
+            # culprit to single out, so every request is answered with the error
+            # and the engine starts clean.
+            logger.exception("engine step failed; failing all %d requests", len(self.requests))
+            outputs += self._fail(list(self.requests.values()), _step_error(exc))
             self._in_flight = None
+        # Stats are built by whoever sends them (core_proc), not on every step.
+        return EngineCoreOutputs(outputs=outputs)
+
+    def _step(self, outputs: list[EngineCoreOutput]) -> None:
+        if self._in_flight is not None and not self._can_overlap():
+            self._finish(self._take_in_flight(), outputs)
         ready: set[str] = set()
         if self.lora_manager is not None:
             busy = self.scheduler.running_loras()
@@ -168,17 +204,18 @@ class EngineCore:
         sched = self.scheduler.schedule(ready)
         for lora_request in sched.loras_to_load:
             self.lora_manager.start_background_load(lora_request)
-        launched = self._launch(sched) if sched.scheduled else None
+        launched = self._launch_isolating(sched.scheduled, outputs) if sched.scheduled else None
         if self._in_flight is not None:
-            outputs += self._finish(self._in_flight)
-            self._in_flight = None
+            self._finish(self._take_in_flight(), outputs)
         if launched is not None:
             if self.config.async_scheduling:
                 self._in_flight = launched
             else:
-                outputs += self._finish(launched)
-        # Stats are built by whoever sends them (core_proc), not on every step.
-        return EngineCoreOutputs(outputs=outputs)
+                self._finish(launched, outputs)
+
+    def _take_in_flight(self) -> _LaunchedStep:
+        launched, self._in_flight = self._in_flight, None
+        return launched
 
     def _can_overlap(self) -> bool:
         """Penalties read a request's whole output: those steps wait for the last one."""
@@ -186,10 +223,38 @@ class EngineCore:
             return False
         return not any(r.sampling_params.uses_penalties for r in self.scheduler.running)
 
-    def _launch(self, sched: SchedulerOutput) -> _LaunchedStep:
+    def _launch_isolating(
+        self, scheduled: list[tuple[Request, int]], outputs: list[EngineCoreOutput]
+    ) -> _LaunchedStep | None:
+        """Launch the step; if it raises, run its requests one at a time, each read
+        back at once, so that only those that fail on their own are failed."""
+        try:
+            return self._launch(scheduled)
+        except Exception:  # noqa: BLE001 - isolated below
+            logger.exception("a step of %d requests failed; retrying each alone",
+                             len(scheduled))
+        # A retried request must find its last token on the host, not in flight.
+        if self._in_flight is not None:
+            self._finish(self._take_in_flight(), outputs)
+        for req, n in scheduled:
+            if req.status is not RequestStatus.RUNNING:
+                continue  # it stopped (or failed) with the step just read back
+            try:
+                launched = self._launch([(req, n)])
+            except Exception as exc:  # noqa: BLE001 - this request's own failure
+                logger.warning("request %s fails on its own: %s: %s", req.request_id,
+                               type(exc).__name__, exc)
+                outputs += self._fail([req], _step_error(exc))
+                continue
+            self._finish(launched, outputs)
+        return None
+
+    def _launch(self, scheduled: list[tuple[Request, int]]) -> _LaunchedStep:
+        """Build and launch one step. Requests change only once the launch went
+        through, so a failed launch can be retried as if it never happened."""
         seqs = []
         sampled_reqs = []
-        for req, n in sched.scheduled:
+        for req, n in scheduled:
             start = req.num_computed_tokens
             samples = start + n == req.num_tokens
             seqs.append(SeqInput(
@@ -203,23 +268,34 @@ class EngineCore:
                     req.eos_token_id, req.generator, req.num_pending,
                 ) if samples else None,
             ))
-            req.num_computed_tokens += n
             if samples:
-                req.num_pending += 1
                 sampled_reqs.append(req)
         step = StepInput(seqs)
         slots = (
             self.lora_manager.set_active(step.lora_names(), self.scheduler.running_loras())
             if self.lora_manager else {}
         )
-        return _LaunchedStep(sampled_reqs, self.runner.launch(step, slots))
+        batch = self.runner.launch(step, slots)
+        for req, n in scheduled:
+            req.num_computed_tokens += n
+        for req in sampled_reqs:
+            req.num_pending += 1
+        return _LaunchedStep(sampled_reqs, batch)
 
-    def _finish(self, launched: _LaunchedStep) -> list[EngineCoreOutput]:
+    def _finish(self, launched: _LaunchedStep, outputs: list[EngineCoreOutput]) -> None:
         """Read a launched step's tokens back and hand them to their requests."""
         if launched.batch is None:
-            return []
-        result = launched.batch.to_host()
-        outputs = []
+            return
+        try:
+            result = launched.batch.to_host()
+        except Exception as exc:  # noqa: BLE001 - the step's tokens are lost, not the engine
+            logger.exception("reading back a step of %d requests failed",
+                             len(launched.requests))
+            for req in launched.requests:
+                req.num_pending -= 1
+            alive = [r for r in launched.requests if r.status is not RequestStatus.FINISHED]
+            outputs += self._fail(alive, _step_error(exc))
+            return
         for req, token, logprobs in zip(launched.requests, result.token_ids, result.logprobs,
                                         strict=True):
             req.num_pending -= 1
@@ -238,7 +314,6 @@ class EngineCore:
             if finish is not None:
                 self.scheduler.finish(req)
                 del self.requests[req.request_id]
-        return outputs
 
     def _check_stop(self, req: Request, token: int) -> tuple[FinishReason | None, int | None]:
         params = req.sampling_params
@@ -255,9 +330,17 @@ class EngineCore:
     def _fail_requests_of(
         self, lora_name: str, error: str, queue: bool = True
     ) -> list[EngineCoreOutput]:
-        failed = [r for r in self.requests.values() if r.lora_name == lora_name]
+        outputs = self._fail([r for r in self.requests.values() if r.lora_name == lora_name],
+                             error)
+        if queue:
+            self._pending += outputs
+        return outputs
+
+    def _fail(self, reqs: list[Request], error: str) -> list[EngineCoreOutput]:
+        """End requests with an error: their KV blocks are freed, and their adapter
+        slots are no longer held for them."""
         outputs = []
-        for req in failed:
+        for req in reqs:
             self.scheduler.finish(req)
             del self.requests[req.request_id]
             outputs.append(EngineCoreOutput(
@@ -265,8 +348,6 @@ class EngineCore:
                 finish_reason=FinishReason.ERROR, error=error,
                 num_prompt_tokens=len(req.prompt_token_ids),
             ))
-        if queue:
-            self._pending += outputs
         return outputs
 
     def get_stats(self) -> SchedulerStats:
@@ -291,3 +372,13 @@ class EngineCore:
 class _LaunchedStep:
     requests: list[Request]  # those that sample, in the batch's row order
     batch: SampledBatch | None
+
+
+def _check_token_ids(what: str, token_ids: list[int], vocab: int) -> None:
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):
+        bad = next(t for t in token_ids if t < 0 or t >= vocab)
+        raise ValueError(f"{what} must be in [0, {vocab}), got {bad}")
+
+
+def _step_error(exc: Exception) -> str:
+    return f"the engine failed while computing this request ({type(exc).__name__}: {exc})"

@@ -12,6 +12,7 @@ from loraserve.config import EngineConfig
 from loraserve.engine.engine_core import EngineCore
 from loraserve.engine.output_processor import OutputProcessor, RequestOutput
 from loraserve.engine.tokenizer import eos_token_id, load_tokenizer
+from loraserve.engine.torch_threads import configure_torch_threads
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams
 
@@ -28,6 +29,8 @@ class LLM:
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        # The engine runs in this process and no API server shares its cores.
+        configure_torch_threads(share_with_frontend=False)
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.config)
         self._eos = eos_token_id(self.tokenizer, self.config.model_config.hf_config)

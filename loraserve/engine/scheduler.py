@@ -133,8 +133,10 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def finish(self, req: Request) -> None:
-        """Remove a request (finished, aborted or failed) and free its blocks."""
-        if req.status == RequestStatus.RUNNING:
+        """Remove a request (finished, aborted or failed) and free its blocks. Looks
+        the request up rather than trust its status: the engine also ends requests
+        after a step failed half-way."""
+        if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)

@@ -5,6 +5,11 @@ Both caches are LRU. An adapter enters the CPU cache when loaded; it takes a
 device slot when a step needs it (or at once when added through the API). A
 module the adapter does not target has its slot zeroed. Pinned adapters are
 never evicted.
+
+Unloading is for good: the (name, id) pairs of an unloaded adapter are retired,
+so that a request which still carries one (it chose the adapter just before the
+unload) is refused rather than load it from disk again. Only an explicit add
+brings a retired pair back.
 """
 
 from __future__ import annotations
@@ -70,6 +75,10 @@ class LoRAManager:
         self.slots: LRUCache[int] = LRUCache(lora_config.max_loras)
         self._loader = ThreadPoolExecutor(num_load_threads, thread_name_prefix="lora-load")
         self._loading: dict[str, tuple[LoRARequest, Future]] = {}
+        # The id each adapter was last loaded under; kept when the CPU cache evicts
+        # it, so that unloading an evicted adapter still retires its id.
+        self._ids: dict[str, int] = {}
+        self._retired: set[tuple[str, int]] = set()
 
     # ---- loading -------------------------------------------------------------------
 
@@ -90,6 +99,7 @@ class LoRAManager:
         """Load (unless `loaded` was read elsewhere already) before evicting anything,
         then put into the CPU cache."""
         lora = loaded if loaded is not None else self.load(lora_request)
+        self._retired.discard((lora_request.lora_name, lora_request.lora_int_id))
         self.insert(lora)
         if pinned:
             self.cpu_cache.pin(lora.name)
@@ -101,6 +111,7 @@ class LoRAManager:
         if lora.name in self.slots:
             # load_inplace: the slot must show the new weights.
             self._write_slot(self.slots.peek(lora.name), lora)
+        self._ids[lora.name] = lora.int_id
         for name, _ in self.cpu_cache.put(lora.name, lora):
             logger.info("LoRA %s evicted from the CPU cache", name)
 
@@ -112,15 +123,19 @@ class LoRAManager:
     def poll_loads(self) -> list[tuple[str, LoRAError | None]]:
         """Move finished background loads into the CPU cache; report failures."""
         done = []
-        for name, (_req, future) in list(self._loading.items()):
+        for name, (req, future) in list(self._loading.items()):
             if not future.done():
                 continue
             del self._loading[name]
+            if self.is_retired(req):
+                continue  # unloaded while it loaded: nothing of it may stay
             try:
                 self.insert(future.result())
                 done.append((name, None))
             except LoRAError as e:
                 done.append((name, e))
+            except Exception as e:  # noqa: BLE001 - still only this adapter's failure
+                done.append((name, LoRAError(name, f"{type(e).__name__}: {e}")))
         return done
 
     # ---- residency ---------------------------------------------------------------
@@ -129,14 +144,24 @@ class LoRAManager:
         """Usable this step without touching the disk."""
         return name in self.cpu_cache or name in self.slots
 
+    def is_retired(self, lora_request: LoRARequest) -> bool:
+        """Whether this adapter, under this id, was unloaded (and not added since)."""
+        return (lora_request.lora_name, lora_request.lora_int_id) in self._retired
+
     def pin(self, name: str) -> None:
         self.cpu_cache.pin(name)
         if name in self.slots:
             self.slots.pin(name)
 
-    def remove(self, name: str) -> bool:
-        """Forget an adapter: its CPU tensors and its device slot are freed."""
-        found = self.cpu_cache.pop(name) is not None
+    def remove(self, name: str, request_ids: Iterable[int] = ()) -> bool:
+        """Forget an adapter: its CPU tensors and its device slot are freed, a load
+        in progress is dropped, and its ids (plus `request_ids`, those of requests
+        that named it) are retired. Returns whether anything of it was held."""
+        ids = set(request_ids)
+        lora = self.cpu_cache.pop(name)
+        found = lora is not None
+        if lora is not None:
+            ids.add(lora.int_id)
         slot = self.slots.pop(name)
         if slot is not None:
             self._write_slot(slot, None)
@@ -144,7 +169,12 @@ class LoRAManager:
         pending = self._loading.pop(name, None)
         if pending is not None:
             pending[1].cancel()
+            ids.add(pending[0].lora_int_id)
             found = True
+        known = self._ids.pop(name, None)
+        if known is not None:
+            ids.add(known)
+        self._retired.update((name, i) for i in ids)
         return found
 
     def activate(self, name: str, protected: Iterable[str] = ()) -> int:

@@ -137,16 +137,35 @@ def read_peft_config(lora_name: str, adapter_dir: str) -> PeftConfig:
             lora_name, f"modules_to_save {raw['modules_to_save']} (full layer copies) are not "
             "supported"
         )
-    if "r" not in raw:
-        raise LoRAError(lora_name, f"{CONFIG_FILE} has no 'r'")
+    for key in ("r", "lora_alpha"):
+        # PEFT always writes both; guessing a missing alpha would scale the adapter
+        # by a factor nobody chose.
+        if key not in raw:
+            raise LoRAError(lora_name, f"{CONFIG_FILE} has no {key!r}")
+    alpha = raw["lora_alpha"]
+    if not _is_number(alpha) or not math.isfinite(alpha):
+        raise LoRAError(lora_name, f"{CONFIG_FILE}: 'lora_alpha' must be a number, got {alpha!r}")
     return PeftConfig(
-        r=int(raw["r"]),
-        lora_alpha=float(raw.get("lora_alpha", raw["r"])),
+        r=_positive_int(lora_name, "'r'", raw["r"]),
+        lora_alpha=float(alpha),
         use_rslora=bool(raw.get("use_rslora", False)),
         target_modules=raw.get("target_modules"),
-        rank_pattern=dict(raw.get("rank_pattern") or {}),
+        rank_pattern={
+            pattern: _positive_int(lora_name, f"rank_pattern[{pattern!r}]", rank)
+            for pattern, rank in dict(raw.get("rank_pattern") or {}).items()
+        },
         alpha_pattern=dict(raw.get("alpha_pattern") or {}),
     )
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _positive_int(lora_name: str, what: str, value: object) -> int:
+    if _is_number(value) and float(value).is_integer() and value >= 1:
+        return int(value)
+    raise LoRAError(lora_name, f"{CONFIG_FILE}: {what} must be a positive integer, got {value!r}")
 
 
 def load_lora_model(
@@ -160,6 +179,7 @@ def load_lora_model(
     name = lora_request.lora_name
     adapter_dir = resolve_adapter_path(lora_request)
     config = read_peft_config(name, adapter_dir)
+    _check_config_rank(name, config, max_lora_rank)
     _check_target_modules(name, config, info)
     weights_path = Path(adapter_dir) / WEIGHTS_FILE
     if not weights_path.exists():
@@ -172,13 +192,18 @@ def load_lora_model(
         raise LoRAError(name, f"{WEIGHTS_FILE} is missing in {adapter_dir}")
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    keys: dict[tuple[str, str], str] = {}  # (module, "A"/"B") -> the tensor's name
     try:
         with safe_open(str(weights_path), framework="pt") as f:
             for key in f.keys():
                 match = _KEY_RE.match(key)
                 if match is None:
                     raise LoRAError(name, f"tensor {key!r} is not a LoRA A/B weight we support")
-                pairs.setdefault(match["module"], {})[match["ab"]] = f.get_tensor(key)
+                tensor = f.get_tensor(key)
+                if not _finite(tensor):
+                    raise LoRAError(name, f"tensor {key!r} holds NaN or infinite values")
+                pairs.setdefault(match["module"], {})[match["ab"]] = tensor
+                keys[match["module"], match["ab"]] = key
     except SafetensorError as e:
         raise LoRAError(name, f"{WEIGHTS_FILE} is not a valid safetensors file: {e}") from e
 
@@ -218,14 +243,41 @@ def load_lora_model(
         entry = modules.setdefault(
             merged, ModuleLoRA([None] * len(out_sizes), [None] * len(out_sizes))
         )
-        entry.lora_a[slice_idx] = a.to(dtype).contiguous()
+        a = a.to(dtype).contiguous()
         # Fold alpha / r into B so every kernel uses scale 1.0.
-        entry.lora_b[slice_idx] = (b.float() * scale).to(dtype).contiguous()
+        b = (b.float() * scale).to(dtype).contiguous()
+        for ab, tensor, how in (("A", a, ""), ("B", b, f" once scaled by {scale:g}")):
+            if not _finite(tensor):
+                raise LoRAError(
+                    name, f"tensor {keys[source, ab]!r} overflows {dtype} (the lora dtype){how}"
+                )
+        entry.lora_a[slice_idx] = a
+        entry.lora_b[slice_idx] = b
         max_rank = max(max_rank, rank)
     if not modules:
         raise LoRAError(name, "the adapter has no LoRA weights for any module of the model")
     return LoRAModel(name=name, int_id=lora_request.lora_int_id, path=adapter_dir,
                      rank=max_rank, modules=modules)
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    return bool(torch.isfinite(tensor).all())
+
+
+def _check_config_rank(name: str, config: PeftConfig, max_lora_rank: int) -> None:
+    """The ranks the config declares must fit, not only the tensors' ranks: an `r`
+    above the limit with smaller tensors is an adapter that does not match its
+    own config."""
+    ranks = {"r": config.r}
+    for pattern, rank in config.rank_pattern.items():
+        ranks[f"rank_pattern[{pattern!r}]"] = rank
+    for field_name, rank in ranks.items():
+        if rank > max_lora_rank:
+            raise LoRAError(
+                name, f"LoRA rank {rank} is greater than max_lora_rank {max_lora_rank} "
+                f"({field_name} in {CONFIG_FILE}); start the server with --max-lora-rank "
+                f"{_next_rank(rank)} or more",
+            )
 
 
 def _check_target_modules(name: str, config: PeftConfig, info: ModelLoRAInfo) -> None:
