@@ -24,9 +24,9 @@ import sys
 
 import torch
 import triton.testing
+from lora_op import copy_bandwidth, median_replay_ms  # benchmarks/lora_op.py
 from loraserve.kernels import paged_attention as pa
-
-from kernels import copy_bandwidth, median_replay_ms  # benchmarks/kernels.py
+from loraserve.kernels.attention_tiling import MAX_SPLITS, choose_num_splits
 
 HQ, HK, D, BS = 32, 8, 128, 16
 BATCHES = [1, 32, 64, 256]
@@ -41,11 +41,8 @@ def decode_setup(batch: int, ctx: int):
     layers = max(2, min(64, math.ceil(MIN_BYTES / kv_bytes)))
     num_blocks = batch * blocks_per_seq
     g = torch.Generator(device="cuda").manual_seed(batch * 7 + ctx)
-    caches = [
-        torch.randn(2, num_blocks, BS, HK, D, device="cuda", generator=g).to(DTYPE)
-        for _ in range(layers)
-    ]
-    bt = torch.randperm(num_blocks, device="cuda", generator=g).to(torch.int32)
+    caches = [_cache(num_blocks, g) for _ in range(layers)]
+    bt = torch.randperm(num_blocks, device="cuda", generator=g).to(torch.int32) + 1
     bt = bt.view(batch, blocks_per_seq).contiguous()
     q = torch.randn(batch, HQ, D, device="cuda", generator=g).to(DTYPE)
     out = torch.empty_like(q)
@@ -55,10 +52,18 @@ def decode_setup(batch: int, ctx: int):
     return caches, bt, q, out, qsl, seq_lens, ws, kv_bytes
 
 
+def _cache(num_blocks: int, g: torch.Generator) -> torch.Tensor:
+    """A layer's cache as the engine lays it out: block 0 of zeros, in no table, then
+    ``num_blocks`` blocks of random keys and values (ids 1 to num_blocks)."""
+    cache = torch.randn(2, 1 + num_blocks, BS, HK, D, device="cuda", generator=g).to(DTYPE)
+    cache[:, 0] = 0
+    return cache
+
+
 def bench_decode(batch: int, ctx: int, configs, splits_list) -> list[dict]:
     caches, bt, q, out, qsl, seq_lens, ws, kv_bytes = decode_setup(batch, ctx)
     scale = D**-0.5
-    default_splits = pa.choose_num_splits(batch, batch, HK, 1, HQ // HK, D, DTYPE, q.device)
+    default_splits = choose_num_splits(batch, batch, HK, 1, HQ // HK, D, DTYPE, q.device)
     rows = []
     for cfg in configs:
         for splits in splits_list(default_splits):
@@ -105,8 +110,9 @@ def bench_prefill(num_seqs: int, seq_len: int, configs) -> list[dict]:
     t = num_seqs * seq_len
     blocks = t // BS
     g = torch.Generator(device="cuda").manual_seed(1)
-    cache = torch.randn(2, blocks, BS, HK, D, device="cuda", generator=g).to(DTYPE)
-    bt = torch.randperm(blocks, device="cuda", generator=g).to(torch.int32).view(num_seqs, -1)
+    cache = _cache(blocks, g)
+    bt = torch.randperm(blocks, device="cuda", generator=g).to(torch.int32) + 1
+    bt = bt.view(num_seqs, -1)
     q = torch.randn(t, HQ, D, device="cuda", generator=g).to(DTYPE)
     out = torch.empty_like(q)
     qsl = torch.arange(0, t + 1, seq_len, dtype=torch.int32, device="cuda")
@@ -189,7 +195,7 @@ def main() -> None:
                     batch,
                     ctx,
                     default,
-                    lambda s: sorted({max(1, s // 2), min(pa.MAX_SPLITS, s * 2)} - {s}),
+                    lambda s: sorted({max(1, s // 2), min(MAX_SPLITS, s * 2)} - {s}),
                 )
             results["decode"] += rows
             torch.cuda.empty_cache()

@@ -8,7 +8,7 @@ times by CUDA graph replay (bf16):
 
   base    y = x @ W.T
   lora    y = x @ W.T, then add_lora_linear(y, ...)
-  beside  what LinearWithLoRA does (PunicaWrapper.linear): the shrink on a side
+  beside  what LinearWithLoRA does (TritonPunicaWrapper.linear): the shrink on a side
           stream beside x @ W.T, then the expand
   alone   add_lora_linear(y, ...) by itself
 
@@ -19,7 +19,7 @@ layer it also times the layer with its activation:
   unfused  x @ W.T, add_lora_linear, then silu_and_mul
   fused    silu_and_mul_lora(x @ W.T, ...) (the update added inside the activation)
   beside   the fused path with the shrink beside the GEMM, as the model runs it
-           (PunicaWrapper.linear_silu_and_mul)
+           (TritonPunicaWrapper.linear_silu_and_mul)
 
 Each timed call cycles through independent weight and activation sets, so
 weights come from device memory as in a model.
@@ -32,12 +32,13 @@ import json
 import sys
 
 import torch
-from loraserve.kernels import add_lora_linear, silu_and_mul_lora
+from lora_op import time_graph  # benchmarks/lora_op.py
 from loraserve.kernels.activation import silu_and_mul
+from loraserve.kernels.lora_activation import silu_and_mul_lora
+from loraserve.kernels.lora_ops import add_lora_linear
 from tune_kernels import SHRINK_CLASSES as SHAPES  # Llama-3-8B: (K, output slices)
 
-from kernels import time_graph
-from loraserve.lora.punica import PunicaWrapper
+from loraserve.lora.punica_triton import TritonPunicaWrapper
 
 TOKENS = [1, 32, 256, 1024, 4096, 8192]
 NUM_SLOTS = 32
@@ -68,7 +69,7 @@ def make_sets(name: str, t: int, num_adapters: int):
     slots = (torch.arange(t, device="cuda") % num_adapters).to(torch.int32)
     slots = slots[torch.randperm(t, device="cuda", generator=gen)]
     # The model's wrapper holds the step's metadata (and the side stream).
-    punica = PunicaWrapper(t, NUM_SLOTS, torch.device("cuda"))
+    punica = TritonPunicaWrapper(t, NUM_SLOTS, torch.device("cuda"))
     punica.update_mapping(slots.tolist())
     return sets, slots, punica
 

@@ -1,6 +1,6 @@
 """Offline throughput: N requests of fixed input/output length, base vs LoRA.
 
-One process runs both, in the same session and on the same engine settings:
+One process runs both, on the same engine settings:
 the base model (no adapter) and the same requests spread over the adapters.
 
     python benchmarks/offline.py --model /tmp/bench/llama3-8b-shape --load-format dummy \

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import torch
+from lora_op import replay_ms  # benchmarks/lora_op.py
 from offline import machine, make_prompts
 
-from kernels import replay_ms  # benchmarks/kernels.py
 from loraserve import LLM, SamplingParams
 from loraserve.engine.output_processor import OutputProcessor
 

@@ -27,10 +27,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from lora_op import copy_bandwidth, median_replay_ms  # benchmarks/lora_op.py
 from loraserve.kernels import dense_gemm
 from loraserve.kernels import lora_config as lc
-
-from kernels import copy_bandwidth, median_replay_ms  # benchmarks/kernels.py
 
 # (name, N, K) of the Llama-3-8B shape, and how many of each a decode step runs.
 SHAPES = [

@@ -26,10 +26,13 @@ from pathlib import Path
 
 import torch
 import triton.testing
-from loraserve.kernels import LoRAMetadata
 from loraserve.kernels import lora_config as lc
 from loraserve.kernels.lora_activation import launch_silu_and_mul
-from loraserve.kernels.lora_ops import launch_expand, launch_one, launch_shrink, one_launch
+from loraserve.kernels.lora_expand import launch_expand
+from loraserve.kernels.lora_meta import LoRAMetadata
+from loraserve.kernels.lora_one_launch import launch_one
+from loraserve.kernels.lora_ops import one_launch
+from loraserve.kernels.lora_shrink import launch_shrink
 
 SHRINK_CLASSES = {
     "qkv": (4096, [4096, 1024, 1024]),

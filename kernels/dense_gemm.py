@@ -33,7 +33,6 @@ pool when captured.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -201,12 +200,8 @@ def _lock_buffer(device: torch.device) -> torch.Tensor:
 def use_fused_silu_and_mul(num_tokens: int) -> bool:
     """Whether a merged gate/up layer should run ``dense_linear(..., silu_mul=True)``:
     decode sizes on a GPU with a decode GEMM section (one kernel instead of the
-    GEMM and the activation; ``LORASERVE_FUSE_SILU=0`` turns it off)."""
-    return (
-        num_tokens <= MAX_TOKENS
-        and has_dense_table()
-        and os.environ.get("LORASERVE_FUSE_SILU", "1") != "0"
-    )
+    GEMM and the activation)."""
+    return num_tokens <= MAX_TOKENS and has_dense_table()
 
 
 def dense_linear(

@@ -7,9 +7,9 @@
 projection output is the largest memory traffic of a LoRA layer (2 x 470 MB per
 layer for a prefill chunk of 8192 tokens on the Llama-3-8B shape).
 
-The shrink is the usual one (``lora_ops.launch_shrink``, both slices in one
-launch). The second kernel walks token tiles in slot order like the expand,
-plus tiles of the tokens without an adapter, which get no update. Each program
+The shrink is the usual one (``lora_shrink``, both slices in one launch). The
+second kernel walks token tiles in slot order like the expand, plus tiles of
+the tokens without an adapter, which get no update. Each program
 adds the update to its gate and up blocks in fp32, rounds them to the
 activation dtype (as the separate expand does), then applies SiLU-and-multiply
 with the rounding of ``activation.silu_and_mul``; so the result is the one the
@@ -25,21 +25,22 @@ import triton
 import triton.language as tl
 
 from .activation import silu_mul
-from .lora_config import rank_block, silu_config
-from .lora_meta import LoRAMetadata
-from .lora_ops import (
-    _block_s,
-    _check,
-    _check_meta,
-    _dot_mode,
-    _expand_delta,
-    _slot_tile,
-    lora_shrink,
+from .lora_common import (
+    BATCH_INTS,
+    block_s,
+    check_meta,
+    check_operands,
+    dot_mode,
     max_token_tiles,
+    slot_tile,
 )
+from .lora_config import rank_block, silu_config
+from .lora_expand import expand_delta
+from .lora_meta import LoRAMetadata
+from .lora_shrink import lora_shrink
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_slots"])
+@triton.jit(do_not_specialize=BATCH_INTS)
 def _silu_and_mul_lora_kernel(
     y_ptr,
     out_ptr,
@@ -69,7 +70,7 @@ def _silu_and_mul_lora_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    slot, pos0, rows_left = _slot_tile(
+    slot, pos0, rows_left = slot_tile(
         pid_m, slot_start_ptr, slot_count_ptr, num_slots, num_tokens, BLOCK_M, BLOCK_S, True
     )
     if rows_left <= 0:
@@ -97,11 +98,11 @@ def _silu_and_mul_lora_kernel(
             gate = tl.load(g_ptrs, mask=mask, other=0.0)
             up = tl.load(g_ptrs + width, mask=mask, other=0.0)
             if has_lora:
-                d_gate = _expand_delta(
+                d_gate = expand_delta(
                     bg_ptr, xa_gate, slot, offs_n, n_mask, stride_bs, R, stride_bn, stride_br,
                     BLOCK_R, PRECISION, DOT_FP32,
                 )
-                d_up = _expand_delta(
+                d_up = expand_delta(
                     bu_ptr, xa_up, slot, offs_n, n_mask, stride_bs, R, stride_bn, stride_br,
                     BLOCK_R, PRECISION, DOT_FP32,
                 )
@@ -123,14 +124,14 @@ def silu_and_mul_lora(
     (gate then up, the base projection of x) and two slices (gate, up) of LoRA
     weights. ``meta`` holds this step's token grouping, as for ``add_lora_linear``;
     ``ws``, when given, is ``lora_shrink(x, lora_a, meta)`` already done."""
-    _check(gate_up, x, lora_a, lora_b)
+    check_operands(gate_up, x, lora_a, lora_b)
     if len(lora_b) != 2 or lora_b[0].shape != lora_b[1].shape:
         raise ValueError("silu_and_mul_lora needs two slices (gate, up) of one width")
     if lora_b[0].stride() != lora_b[1].stride() or gate_up.stride(1) != 1:
         raise ValueError("gate and up B stacks must share strides; gate_up rows contiguous")
     num_tokens = x.shape[0]
     num_slots, width, rank = lora_b[0].shape
-    _check_meta(meta, num_tokens, num_slots)
+    check_meta(meta, num_tokens, num_slots)
     out = torch.empty(num_tokens, width, dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens == 0:
         return out
@@ -155,7 +156,7 @@ def launch_silu_and_mul(
     num_blocks = triton.cdiv(width, block_n)
     # The tokens without an adapter are one more group of tiles.
     m_tiles = max_token_tiles(num_tokens, cfg["BLOCK_M"], num_slots + 1)
-    dot_fp32, precision = _dot_mode(gate_up.dtype)
+    dot_fp32, precision = dot_mode(gate_up.dtype)
     _silu_and_mul_lora_kernel[(triton.cdiv(num_blocks, n_iters), m_tiles)](
         gate_up,
         out,
@@ -178,7 +179,7 @@ def launch_silu_and_mul(
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=block_n,
         BLOCK_R=rank_block(rank),
-        BLOCK_S=_block_s(num_slots),
+        BLOCK_S=block_s(num_slots),
         PRECISION=precision,
         DOT_FP32=dot_fp32,
         N_ITERS=n_iters,

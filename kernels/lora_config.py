@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from loraserve import envs
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 # T buckets the tuner measures; a lookup snaps T to the nearest bucket (log scale).
@@ -81,16 +82,17 @@ def config_path_for(device_name: str) -> Path:
 
 @lru_cache(maxsize=1)
 def _tuned_table() -> dict[str, dict[str, dict[str, int]]]:
-    path_env = os.environ.get("LORASERVE_LORA_CONFIG")
-    if path_env:
-        path = Path(path_env)
-    else:
+    path = envs.lora_config_path()
+    if path is not None and not path.is_file():
+        # Named by the user: a typo must not fall back to the heuristics unnoticed.
+        raise FileNotFoundError(f"{envs.LORA_CONFIG.name}={path}: no such file")
+    if path is None:
         name = _device_name()
         if name is None:
             return {}
         path = config_path_for(name)
-    if not path.is_file():
-        return {}
+        if not path.is_file():
+            return {}
     with open(path) as f:
         data = json.load(f)
     return {k: data.get(k, {}) for k in TABLE_KINDS}
@@ -204,7 +206,7 @@ def default_dense_config(num_tokens: int, n: int, k: int, silu_mul: bool = False
     """Enough (column tile, K split) programs for two waves of SMs. With SiLU-and-mul
     (a merged gate/up [n = 2I] whose epilogue applies the activation) a program
     streams twice the rows, so one wave, of 128-row tiles (64 gate + 64 up rows),
-    as measured best on an H200 (benchmarks/RESULTS.md, seventh session)."""
+    the fastest on an H200 (benchmarks/RESULTS.md)."""
     block_n, block_k = (128, 128) if silu_mul else (64, 128)
     waves = 1 if silu_mul else 2
     tiles = -(-n // block_n)

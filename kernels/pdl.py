@@ -15,17 +15,19 @@ the decode GEMM asks for the start of its weight rows before that wait.
 
 ``pdl_args(device)`` gives the launch arguments: the kernel's PDL constexpr and
 Triton's ``launch_pdl``, always equal (a kernel launched early that does not
-wait would race). ``LORASERVE_PDL=0`` turns it off.
+wait would race). PDL is on wherever the device and Triton support it: compiled
+(not interpreted) kernels on a GPU of compute capability 9.0 or later.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from loraserve import envs
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -39,14 +41,14 @@ def _device_supports(device: torch.device) -> bool:
         gdc_wait is not None
         and device.type == "cuda"
         and torch.cuda.get_device_capability(device)[0] >= 9
-        and os.environ.get("TRITON_INTERPRET", "0") != "1"
+        and not envs.triton_interpret()
     )
 
 
 def pdl_args(device: torch.device) -> dict[str, bool]:
     """Launch arguments of a kernel that starts with ``pdl_begin(PDL)`` (or its own
     wait): ``kernel[grid](..., **pdl_args(device))``."""
-    on = os.environ.get("LORASERVE_PDL", "1") != "0" and _device_supports(device)
+    on = _device_supports(device)
     return {"PDL": on, "launch_pdl": on}
 
 

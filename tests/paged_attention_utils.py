@@ -20,13 +20,12 @@ def make_batch(
     device: str = "cpu",
     num_blocks: int | None = None,
     max_blocks: int | None = None,
-    block0_zeros: bool = False,
 ) -> dict:
     """specs: (cached tokens, new tokens) per sequence; blocks are scattered at random.
 
     ``pad_tokens`` tokens (slot -1) and ``pad_seqs`` empty sequences follow the
-    real ones, as in a batch padded to a CUDA-graph size. ``block0_zeros``: block 0
-    holds zeros and no sequence gets it, as in the engine's cache.
+    real ones, as in a batch padded to a CUDA-graph size. Block 0 holds zeros and
+    no sequence gets it, as in the engine's cache (paged_attention's contract).
     """
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -34,8 +33,7 @@ def make_batch(
     nblocks = [-(-s // block_size) for s in seq_lens]
     num_blocks = num_blocks or sum(nblocks) + 3
     max_blocks = max_blocks or max(nblocks) + 1
-    first = 1 if block0_zeros else 0
-    perm = (torch.randperm(num_blocks - first, generator=g, device=dev) + first).tolist()
+    perm = (torch.randperm(num_blocks - 1, generator=g, device=dev) + 1).tolist()
     tables, pos = [], 0
     for nb in nblocks:
         tables.append(perm[pos : pos + nb])
@@ -66,8 +64,7 @@ def make_batch(
         block_size=block_size,
     )
     cache = rand(*shape)
-    if block0_zeros:
-        cache[:, 0] = 0
+    cache[:, 0] = 0
     return {
         "q": rand(t, num_q_heads, head_dim),
         "k": rand(t, num_kv_heads, head_dim),

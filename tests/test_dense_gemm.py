@@ -130,3 +130,19 @@ def test_a_gpu_without_a_tuned_decode_gemm_keeps_cublas(tmp_path, monkeypatch):
     finally:
         monkeypatch.undo()
         lora_config.reload_tuned_table()
+
+
+def test_a_kernel_table_named_in_the_environment_must_exist(tmp_path, monkeypatch):
+    # LORASERVE_LORA_CONFIG is the user's choice: a wrong path is an error, not a
+    # silent fall-back to the heuristics.
+    from loraserve.kernels import lora_config
+
+    missing = tmp_path / "no_such_table.json"
+    monkeypatch.setenv("LORASERVE_LORA_CONFIG", str(missing))
+    lora_config.reload_tuned_table()
+    try:
+        with pytest.raises(FileNotFoundError, match="LORASERVE_LORA_CONFIG.*no_such_table"):
+            dense_gemm.use_kernel(21, 384, 512)
+    finally:
+        monkeypatch.undo()
+        lora_config.reload_tuned_table()

@@ -1,5 +1,5 @@
 """GPU tests of the decode GEMM: Llama-3-8B layer shapes in bf16, CUDA graphs, the
-Linear layer's dispatch."""
+linear layer's dispatch with the Triton ops."""
 
 import pytest
 import torch
@@ -11,8 +11,9 @@ pytestmark = [
 ]
 
 if torch.cuda.is_available():
-    from loraserve.kernels import dense_gemm
+    from loraserve.kernels import dense_gemm, pdl
 
+    from loraserve.model import triton_ops
     from loraserve.model.linear import Linear
 
 # (N, K) of qkv, o, gate/up, down and the LM head of Llama-3-8B.
@@ -90,21 +91,27 @@ def test_gate_up_with_silu_and_mul_in_the_epilogue(m, split):
 def test_linear_silu_and_mul_fuses_decode_batches_only(monkeypatch):
     from loraserve.kernels.activation import silu_and_mul
 
-    layer = Linear(512, 2 * 384, device="cuda", dtype=torch.bfloat16)
+    layer = Linear(512, 2 * 384, ops=triton_ops.TritonOps(), device="cuda",
+                   dtype=torch.bfloat16)
+    fused = []
+    real = dense_gemm.dense_linear
+    monkeypatch.setattr(triton_ops, "dense_linear",
+                        lambda *a, **kw: fused.append(kw.get("silu_mul")) or real(*a, **kw))
     for tokens in (5, dense_gemm.MAX_TOKENS + 1):
         x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
         want = silu_and_mul(F.linear(x, layer.weight, layer.bias))
         assert_close_bf16(layer.silu_and_mul(x), want)
-    monkeypatch.setenv("LORASERVE_FUSE_SILU", "0")
-    assert not dense_gemm.use_fused_silu_and_mul(5)
+    # The decode batch in one kernel with the activation; the other on cuBLAS.
+    assert fused == [True]
 
 
 def test_linear_runs_decode_batches_on_the_kernel_and_others_on_cublas(monkeypatch):
-    layer = Linear(512, 384, bias=True, device="cuda", dtype=torch.bfloat16)
+    ops = triton_ops.TritonOps()
+    layer = Linear(512, 384, bias=True, ops=ops, device="cuda", dtype=torch.bfloat16)
     calls = []
     real = dense_gemm.dense_linear
     monkeypatch.setattr(
-        dense_gemm, "dense_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        triton_ops, "dense_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw)
     )
     small = torch.randn(3, 7, 512, device="cuda", dtype=torch.bfloat16)  # 21 tokens
     out = layer(small)
@@ -113,7 +120,7 @@ def test_linear_runs_decode_batches_on_the_kernel_and_others_on_cublas(monkeypat
     calls.clear()
     big = torch.randn(dense_gemm.MAX_TOKENS + 1, 512, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(layer(big), F.linear(big, layer.weight, layer.bias)) and not calls
-    fp32 = Linear(512, 384, device="cuda")
+    fp32 = Linear(512, 384, ops=ops, device="cuda")
     x32 = torch.randn(4, 512, device="cuda")
     assert torch.equal(fp32(x32), F.linear(x32, fp32.weight, fp32.bias)) and not calls
 
@@ -141,7 +148,7 @@ def test_pdl_chain_in_a_cuda_graph_equals_the_chain_without_pdl(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_y = chain(static_x)
-    monkeypatch.setenv("LORASERVE_PDL", "0")
+    monkeypatch.setattr(pdl, "_device_supports", lambda device: False)
     for seed in range(10):
         new_x, _, _ = make(32, 4096, 4096, seed=100 + seed)
         static_x.copy_(new_x)

@@ -1,8 +1,6 @@
 """The fused RMSNorm, rotary and SiLU-and-multiply kernels against the model's
 torch code (CPU, under TRITON_INTERPRET=1; on a GPU the same tests run compiled)."""
 
-import os
-
 import pytest
 import torch
 
@@ -13,6 +11,7 @@ from loraserve.kernels import activation  # noqa: E402
 from loraserve.kernels import fused_norm_rope as fused  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
+from loraserve import envs  # noqa: E402
 from loraserve.model.llama import RMSNorm  # noqa: E402
 from loraserve.model.rope import RotaryEmbedding  # noqa: E402
 
@@ -31,16 +30,17 @@ def test_rms_norm_with_and_without_residual(dtype, hidden):
     norm = norm.to(dtype)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
 
-    want = norm.forward_torch(x)
+    # The model's norm, built with the default (torch) ops.
+    want = norm(x)
     torch.testing.assert_close(fused.rms_norm(x, norm.weight, 1e-5), want, **tol)
 
     summed = x + residual
-    want = norm.forward_torch(summed)
+    want = norm(summed)
     res = residual.clone()
     got = fused.rms_norm(x, norm.weight, 1e-5, residual=res)
     # The residual now holds the rounded sum. Triton's CPU interpreter rounds bf16
     # by truncation, so only compiled kernels are held to bit equality there.
-    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+    if dtype == torch.bfloat16 and envs.triton_interpret():
         torch.testing.assert_close(res, summed, **tol)
     else:
         assert torch.equal(res, summed)

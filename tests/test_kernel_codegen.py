@@ -1,11 +1,11 @@
 """What the LoRA shrink compiles to for an H100/H200 (sm90), checked on the CPU.
 
 Triton's NVIDIA backend emits PTX without a GPU. A K split whose start Triton
-could not prove aligned once made every x and A load of the shrink a 2-byte
+cannot prove aligned makes every x and A load of the shrink a 2-byte
 ``ld.global.b16``, with no async pipelining of its K loop: 2-3x slower at
-prefill sizes on an H200 (benchmarks/RESULTS.md, fifth session). The compile
-runs in a subprocess because the interpreter tests of this suite set
-TRITON_INTERPRET=1 in this process.
+prefill sizes on an H200 (benchmarks/RESULTS.md). The compile runs in a
+subprocess because the interpreter tests of this suite set TRITON_INTERPRET=1
+in this process.
 """
 
 import json
@@ -25,7 +25,7 @@ SCRIPT = r"""
 import json, re, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from loraserve.kernels import lora_ops
+from loraserve.kernels import lora_one_launch, lora_shrink
 
 ptr_types = {"x_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
              "flag_ptr": "*i32", "sorted_ids_ptr": "*i32", "slot_start_ptr": "*i32",
@@ -36,8 +36,9 @@ consts = dict(NUM_SLICES=3, PROGRAM_SLICES=1, SPLIT_K=2, BLOCK_M=64, BLOCK_K=128
               BLOCK_R=16, BLOCK_S=32, EVEN_K=True, ALIGN=8, PRECISION="tf32", DOT_FP32=False,
               N_ITERS=1, stride_xk=1, stride_ak=1, stride_br=1, stride_yn=1)
 out = {}
-for name in ("_lora_shrink_kernel", "_lora_one_launch_kernel"):
-    fn = getattr(lora_ops, name)
+for module, name in ((lora_shrink, "_lora_shrink_kernel"),
+                     (lora_one_launch, "_lora_one_launch_kernel")):
+    fn = getattr(module, name)
     names = fn.arg_names
     sig = {n: ptr_types.get(n, "constexpr" if n in consts else "i32") for n in names}
     src = ASTSource(

@@ -6,7 +6,7 @@ import torch
 # On a CPU box conftest.py has put Triton in interpreter mode before any import.
 pytest.importorskip("triton")
 
-from loraserve.kernels import activation, lora_activation, lora_ops  # noqa: E402
+from loraserve.kernels import activation, lora_activation, lora_ops, lora_shrink  # noqa: E402
 from loraserve.kernels.lora_meta import LoRAMetadata, build_lora_metadata  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -206,7 +206,7 @@ def test_launch_configs_name_the_configs_a_call_launches(monkeypatch, t, widths)
 
 def test_workspace_numel_matches_call():
     y, x, a, b, slots = make_case(17, 300, 16, 4, [32, 8, 8], torch.float32, seed=9)
-    need = lora_ops.workspace_numel(17, 300, 16, 3)
+    need = lora_shrink.workspace_numel(17, 300, 16, 3)
     meta = build_lora_metadata(slots, 4, workspace_numel=need)
     ws = meta.workspace
     check(y, x, a, b, slots, meta)
@@ -260,7 +260,7 @@ def test_silu_and_mul_lora_rejects_other_layers():
 @pytest.mark.parametrize("t", [1, 64, 300])
 def test_launch_configs_name_the_fused_activation_configs(monkeypatch, t):
     launched = []
-    for module, name in ((lora_ops, "launch_shrink"), (lora_activation, "launch_silu_and_mul")):
+    for module, name in ((lora_shrink, "launch_shrink"), (lora_activation, "launch_silu_and_mul")):
         real = getattr(module, name)
 
         def record(*args, real=real, **kwargs):

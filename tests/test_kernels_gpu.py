@@ -9,13 +9,12 @@ pytestmark = [
 ]
 
 if torch.cuda.is_available():
-    from loraserve.kernels import (
-        LoRAMetadata,
-        add_lora_linear,
-        silu_and_mul_lora,
-        workspace_numel,
-    )
+    from loraserve.kernels import lora_ops
     from loraserve.kernels.activation import silu_and_mul
+    from loraserve.kernels.lora_activation import silu_and_mul_lora
+    from loraserve.kernels.lora_meta import LoRAMetadata, build_lora_metadata
+    from loraserve.kernels.lora_ops import add_lora_linear
+    from loraserve.kernels.lora_shrink import workspace_numel
 
 
 def reference(y, x, lora_a, lora_b, slots):
@@ -189,8 +188,6 @@ def test_small_batches_bf16(t):
 def test_split_k_reduction_is_deterministic(t):
     # The last-arriving split sums the partials in a fixed order, so repeated
     # calls must agree bit for bit; a missing fence would show up as drift.
-    from loraserve.kernels import build_lora_metadata
-
     k, widths = SHAPES["down"]
     y, x, a, b, slots = make(t, k, 16, 32, widths, torch.bfloat16, n_active=8, seed=t + 3)
     meta = build_lora_metadata(slots, 32)
@@ -229,12 +226,12 @@ def test_punica_linear_shrink_beside_in_a_cuda_graph(t):
     # At T=1 the wrapper runs the shrink on a side stream beside the base GEMM;
     # inside a captured graph that is a branch that must join before the expand.
     # At T=256 shrink and expand are one launch after the GEMM.
-    from loraserve.lora.punica import PunicaWrapper
+    from loraserve.lora.punica_triton import TritonPunicaWrapper
 
     k, widths = QKV
     y0, x, a, b, slots = make(t, k, 16, 8, widths, torch.bfloat16, n_active=8, seed=t)
     w = (torch.randn(sum(widths), k, device="cuda") / k**0.5).to(torch.bfloat16)
-    punica = PunicaWrapper(t, 8, torch.device("cuda"))
+    punica = TritonPunicaWrapper(t, 8, torch.device("cuda"))
     punica.update_mapping(slots.tolist())
     meta_ref = LoRAMetadata(max_tokens=t, num_slots=8, device="cuda")
     meta_ref.update(slots)
@@ -261,8 +258,6 @@ def test_one_launch_equals_two_launches(monkeypatch, name, t):
     # At decode sizes shrink and expand share one launch, the expand programs
     # spinning on their tile's flag; repeated calls must agree with two launches
     # bit for bit, and leave the flags at 0.
-    from loraserve.kernels import build_lora_metadata, lora_ops
-
     k, widths = SHAPES[name]
     y, x, a, b, slots = make(t, k, 16, 32, widths, torch.bfloat16, n_active=32, seed=t + k)
     meta = build_lora_metadata(slots, 32)
@@ -287,8 +282,6 @@ def test_shrink_slices_in_one_program_or_one_each(monkeypatch, name, t, fuse):
     # FUSE_SLICES forced on and off over the config in use: the same update, one
     # program per slice or one for all of a tile's slices, compiled (qkv at T=256
     # runs as one launch).
-    from loraserve.kernels import lora_ops
-
     real = lora_ops.shrink_config
     monkeypatch.setattr(
         lora_ops, "shrink_config", lambda *args: {**real(*args), "FUSE_SLICES": fuse}

@@ -62,7 +62,7 @@ class LinearWithLoRA(nn.Module):
         return self.punica.linear(self.base_layer, x, self.lora_a, self.lora_b)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of this (merged gate/up) layer's output, on CUDA. The
-        LoRA update goes into the activation, so the [T, 2I] output is not
-        read and written a second time to add it."""
+        """silu(gate) * up of this (merged gate/up) layer's output, the LoRA update
+        added first. With the Triton kernels the update goes into the activation,
+        so the [T, 2I] output is not read and written a second time to add it."""
         return self.punica.linear_silu_and_mul(self.base_layer, x, self.lora_a, self.lora_b)

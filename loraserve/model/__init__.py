@@ -1,1 +1,2 @@
-"""Model families, weight loading and the architecture registry."""
+"""Model families, the ops their layers compute with, weight loading and the
+architecture registry."""

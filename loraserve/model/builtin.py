@@ -17,6 +17,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraserve import envs
+
 logger = logging.getLogger(__name__)
 
 
@@ -59,16 +61,10 @@ def builtin_model(name: str) -> BuiltinModel | None:
     return _BY_NAME.get(name.lower())
 
 
-def cache_dir() -> Path:
-    """Root of loraserve's model cache: `$LORASERVE_CACHE_DIR` or ~/.cache/loraserve."""
-    root = os.environ.get("LORASERVE_CACHE_DIR")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "loraserve"
-
-
 def builtin_model_dir(name: str) -> Path | None:
     """Where a built-in model is (or will be) cached, without converting anything."""
     model = builtin_model(name)
-    return None if model is None else cache_dir() / "models" / model.name
+    return None if model is None else envs.cache_dir() / "models" / model.name
 
 
 def resolve_builtin_model(name: str) -> str | None:

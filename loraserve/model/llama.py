@@ -3,7 +3,9 @@ merged QKV and gate/up projections, over a paged KV cache.
 
 The forward pass takes the batch as one flat run of tokens ([T]) and an
 attention metadata object from the worker; it never loops over sequences
-itself (the attention backend decides how to walk the paged cache).
+itself (the attention backend decides how to walk the paged cache). Norms,
+linear layers and the activation run through the ``ops`` the model is built
+with (``loraserve.model.ops``).
 """
 
 from __future__ import annotations
@@ -11,45 +13,27 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loraserve.model.linear import Linear
+from loraserve.model.ops import TORCH_OPS, TorchOps
 from loraserve.model.rope import RotaryEmbedding, head_dim_of
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops: TorchOps = TORCH_OPS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`: (norm(residual + x), residual + x)."""
-        if x.is_cuda:
-            # One fused kernel instead of eight (a CUDA graph node each).
-            from loraserve.kernels.fused_norm_rope import rms_norm
-
-            flat = x.reshape(-1, x.shape[-1])
-            if residual is None:
-                return rms_norm(flat, self.weight, self.eps).view(x.shape)
-            out = rms_norm(flat, self.weight, self.eps, residual=residual)
-            return out.view(x.shape), residual
-        if residual is None:
-            return self.forward_torch(x)
-        residual = residual + x
-        return self.forward_torch(residual), residual
-
-    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
-        # Same order of operations as transformers so fp32 results match bit for bit.
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, ops: TorchOps) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -57,13 +41,15 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias,
+                               ops=ops)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=bool(
-            getattr(cfg, "attention_bias", False)) and cfg.model_type not in ("qwen2", "qwen3"))
+            getattr(cfg, "attention_bias", False)) and cfg.model_type not in ("qwen2", "qwen3"),
+            ops=ops)
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
         self.layer_idx = layer_idx
@@ -99,32 +85,30 @@ def _sliding_window(cfg: Any, layer_idx: int) -> int | None:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, ops: TorchOps) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias,
+                                   ops=ops)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias, ops=ops)
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            # One fused step: the GEMM's epilogue at decode sizes (Linear), the
-            # activation with the LoRA update (loraserve.lora.layers).
-            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # The projection and its activation as one step: on a GPU the decode GEMM's
+        # epilogue applies it (Linear), and a LoRA wrapper adds its update inside
+        # the activation (loraserve.lora.layers).
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, ops: TorchOps) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, rotary)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx, rotary, ops)
+        self.mlp = MLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, positions, hidden, residual, kv_cache, attn):
         """Returns (this layer's output delta, the running residual stream); the
@@ -140,16 +124,16 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: Any, max_model_len: int) -> None:
+    def __init__(self, cfg: Any, max_model_len: int, ops: TorchOps) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg, max_model_len)
         # One rotary table shared by every layer; registered once here.
         self.rotary_emb = rotary
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, rotary, ops) for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, input_ids, positions, kv_caches, attn) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -176,11 +160,11 @@ class LlamaFamilyForCausalLM(nn.Module):
         "down_proj": ("down_proj",),
     }
 
-    def __init__(self, cfg: Any, max_model_len: int) -> None:
+    def __init__(self, cfg: Any, max_model_len: int, ops: TorchOps = TORCH_OPS) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_model_len)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = LlamaModel(cfg, max_model_len, ops)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, ops=ops)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -6,6 +6,9 @@ from typing import Any
 
 import torch
 
+from loraserve.model.llama import LlamaFamilyForCausalLM
+from loraserve.model.ops import TORCH_OPS, TorchOps
+
 # Every listed family shares one decoder implementation; the differences
 # (QKV bias, q/k norm, sliding window) are read from the config.
 SUPPORTED_ARCHITECTURES = (
@@ -31,16 +34,21 @@ def check_architecture(hf_config: Any) -> str:
     )
 
 
-def build_model(hf_config: Any, dtype, device, max_model_len: int):
-    from loraserve.model.llama import LlamaFamilyForCausalLM
-
+def build_model(
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    ops: TorchOps = TORCH_OPS,
+) -> LlamaFamilyForCausalLM:
+    """The model for ``hf_config``, its layers computed by ``ops`` (the backend's)."""
     check_architecture(hf_config)
     # Build straight on the device in the target dtype: no full-size fp32 copy.
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaFamilyForCausalLM(hf_config, max_model_len=max_model_len)
+            model = LlamaFamilyForCausalLM(hf_config, max_model_len=max_model_len, ops=ops)
     finally:
         torch.set_default_dtype(previous)
     return model

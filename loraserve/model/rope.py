@@ -67,27 +67,11 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D] -> rotated (rotate-half convention), in torch.
-        The GPU attention backend rotates with kernels instead (rotate_and_cache,
-        or inside decode attention)."""
+        The Triton attention backend rotates with kernels instead, from ``cos`` and
+        ``sin`` (loraserve.worker.triton_attention)."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
-
-    def rotate_and_cache(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward, then k and v stored at ``slot_mapping`` of the paged ``kv_cache``
-        (CUDA): one kernel for both when the whole head dim rotates."""
-        from loraserve.kernels.fused_norm_rope import rotary_embedding_
-        from loraserve.kernels.paged_attention import write_kv_cache
-
-        if self.rotary_dim == q.shape[-1]:
-            rotary_embedding_(q, k, positions, self.cos, self.sin, (v, kv_cache, slot_mapping))
-            return q, k
-        q, k = self(positions, q, k)
-        write_kv_cache(k, v, kv_cache, slot_mapping)
-        return q, k
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
+
+from loraserve import envs
 
 # Checkpoint tensors we do not need: rotary tables are recomputed.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -39,8 +40,8 @@ def load_weights(model: torch.nn.Module, model_dir: str, show_progress: bool = T
     tied = getattr(model, "tie_word_embeddings", False)
     loaded: set[tuple[str, int]] = set()  # (parameter, first row written)
     files = checkpoint_files(model_dir)
-    for path in tqdm(files, desc="Loading safetensors", disable=not show_progress or
-                     os.environ.get("LORASERVE_NO_PROGRESS") == "1"):
+    for path in tqdm(files, desc="Loading safetensors",
+                     disable=not (show_progress and envs.show_progress())):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):

@@ -2,13 +2,13 @@
 
 The KV cache of one layer is a tensor [2, num_blocks, block_size, num_kv_heads,
 head_dim]. A sequence's tokens live in the blocks its block table lists, in
-order. The CPU backend is plain torch: correct, not fast. A GPU backend plugs in
-behind the same `forward` signature.
+order. This backend is plain torch: correct, not fast (the CPU, and the
+reference). On a GPU the model runner picks the Triton one
+(``loraserve.worker.triton_attention``), behind the same interface.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +53,7 @@ def allocate_kv_cache(
     """Each layer's cache: block 0, zeros that no sequence gets and nothing writes,
     then the ``num_blocks`` blocks that the block allocator hands out (ids 1 to
     ``num_blocks``). Key lanes past a sequence's end read block 0, so the GPU
-    kernel loads their values unmasked (``paged_attention(block0_zeros=True)``)."""
+    kernel loads their values unmasked (``loraserve.kernels.paged_attention``)."""
     shape = (2, 1 + num_blocks, block_size, num_kv_heads, head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -68,8 +68,18 @@ def kv_block_bytes(
 class TorchPagedAttention:
     """Reference backend: writes new K/V into the cache, then attends per sequence."""
 
-    def __init__(self, meta: AttentionMetadata) -> None:
+    # Reads the host lists of AttentionMetadata, not its device tensors.
+    device_metadata = False
+
+    def __init__(self, meta: AttentionMetadata, workspace: torch.Tensor | None = None) -> None:
         self.meta = meta
+
+    @staticmethod
+    def make_workspace(
+        num_q_heads: int, head_dim: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """Scratch memory shared by every layer's attention: none needed."""
+        return None
 
     def forward(
         self,
@@ -111,56 +121,3 @@ class TorchPagedAttention:
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
             out[start:end] = o.transpose(0, 1)
         return out
-
-
-class TritonPagedAttention:
-    """GPU backend: Triton kernels from loraserve.kernels, one launch per layer for
-    the whole batch, safe to capture in a CUDA graph."""
-
-    def __init__(self, meta: AttentionMetadata, workspace: torch.Tensor) -> None:
-        self.meta = meta
-        self.workspace = workspace
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        scale: float,
-        sliding_window: int | None,
-        rotary=None,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        from loraserve.kernels.paged_attention import NewKV, paged_attention, write_kv_cache
-
-        meta = self.meta
-        # q, k and v are strided views of the QKV output; the kernels take strides,
-        # so no copies.
-        new_kv = None
-        if rotary is not None and fuse_decode_rotary(meta, rotary, q):
-            # Decode: the attention launch rotates q and k and writes the cache.
-            new_kv = NewKV(k, v, positions, rotary.cos, rotary.sin, meta.slot_mapping)
-        elif rotary is not None:
-            # The rotary kernel stores k and v in the cache as it goes.
-            q, k = rotary.rotate_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping)
-        else:
-            write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        paged_attention(
-            q, kv_cache, out, meta.query_start_loc_t, meta.seq_lens_t,
-            meta.block_tables_t, scale, sliding_window, max_query_len=meta.max_query_len,
-            workspace=self.workspace, new_kv=new_kv, block0_zeros=True,
-        )
-        return out
-
-
-def fuse_decode_rotary(meta: AttentionMetadata, rotary, q: torch.Tensor) -> bool:
-    """Whether the attention launch should do the rotary and the KV write too: decode
-    batches (one query token a sequence) whose rotary turns the whole head.
-    ``LORASERVE_FUSE_ROTARY=0`` keeps the rotary kernel (A/B runs)."""
-    return (
-        meta.max_query_len == 1
-        and rotary.rotary_dim == q.shape[-1]
-        and os.environ.get("LORASERVE_FUSE_ROTARY", "1") != "0"
-    )

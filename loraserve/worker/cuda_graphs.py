@@ -6,8 +6,8 @@ rows get slot -1 everywhere (no KV write, no adapter) and a one-token sequence,
 so they compute harmless garbage that nobody reads.
 
 Every copy or small kernel around the graph costs the device a gap: a dozen of
-them (input copies, padding fills, the pending-token fill, the argmax) kept a
-batch-32 step 96% busy (benchmarks/RESULTS.md). So the step's per-token inputs
+them (input copies, padding fills, the pending-token fill, the argmax) leave a
+batch-32 step's device 4% idle (benchmarks/RESULTS.md). So the step's per-token inputs
 travel in one host-to-device copy of one [5, max_bs] buffer (token ids, where
 each token comes from, positions, slots, and the sequence lengths as int32),
 padding rows filled on the host; the block tables only when they changed; the
@@ -30,12 +30,7 @@ import time
 
 import torch
 
-from loraserve.worker.attention import (
-    AttentionMetadata,
-    TritonPagedAttention,
-    block_table_tensor,
-)
-from loraserve.worker.sampler import argmax
+from loraserve.worker.attention import AttentionMetadata, block_table_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +100,9 @@ class DecodeGraphs:
         # Each token's id: its own (row 1), or the one the last step sampled (row 0).
         input_ids = self.step_inputs[:2].view(-1)[self.token_source[:bs]]
         hidden = runner.model(input_ids, self.positions[:bs], runner.kv_caches,
-                              TritonPagedAttention(meta, runner.attn_workspace))
+                              runner.backend.attention(meta, runner.attn_workspace))
         logits = runner.model.compute_logits(hidden)
-        argmax(logits, out=self.sampled[:bs])
+        runner.backend.ops.argmax(logits, out=self.sampled[:bs])
         return logits
 
     def _lora_kernels(self, bs: int) -> tuple:

@@ -1,9 +1,11 @@
 """Loads the model (and its LoRA wrappers), owns the KV cache tensors, and runs
 one step: inputs -> forward -> logits -> sampled tokens.
 
-On a GPU, attention runs the Triton kernels, the KV cache is sized from
-gpu_memory_utilization after a profiling pass, and decode steps replay CUDA
-graphs (see cuda_graphs.py). On a CPU everything is plain torch.
+Which kernels run is chosen once, from the device (``backend.select_backend``):
+on a GPU the model, the LoRA op and attention run Triton kernels and decode
+steps replay CUDA graphs (see cuda_graphs.py); on a CPU everything is plain
+torch. On a GPU the KV cache is sized from gpu_memory_utilization after a
+profiling pass.
 """
 
 from __future__ import annotations
@@ -16,18 +18,16 @@ import torch
 
 from loraserve.config import EngineConfig
 from loraserve.lora.manager import LoRAManager
-from loraserve.lora.punica import PunicaWrapper
 from loraserve.model.registry import build_model
 from loraserve.model.rope import head_dim_of
 from loraserve.model.weight_loader import init_dummy_weights, load_weights
 from loraserve.worker.attention import (
     AttentionMetadata,
-    TorchPagedAttention,
-    TritonPagedAttention,
     allocate_kv_cache,
     block_table_tensor,
     kv_block_bytes,
 )
+from loraserve.worker.backend import select_backend
 from loraserve.worker.input_batch import PENDING_TOKEN, StepInput
 from loraserve.worker.sampler import SampledBatch, Sampler
 
@@ -61,8 +61,10 @@ class ModelRunner:
         self.device = config.device
         self.dtype = mc.dtype
         torch.manual_seed(mc.seed)
+        self.backend = select_backend(self.device)
         start = time.perf_counter()
-        model = build_model(mc.hf_config, self.dtype, self.device, mc.max_model_len)
+        model = build_model(mc.hf_config, self.dtype, self.device, mc.max_model_len,
+                            self.backend.ops)
         if mc.load_format == "dummy":
             init_dummy_weights(model, mc.seed)
         else:
@@ -72,7 +74,7 @@ class ModelRunner:
 
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         num_slots = config.lora_config.max_loras if config.lora_config else 1
-        self.punica = PunicaWrapper(self.max_num_tokens, num_slots, self.device)
+        self.punica = self.backend.punica_wrapper(self.max_num_tokens, num_slots, self.device)
         self.lora_manager: LoRAManager | None = None
         if config.lora_config is not None:
             self.lora_manager = LoRAManager(self.model, config.lora_config, self.punica)
@@ -83,14 +85,9 @@ class ModelRunner:
         self.head_dim = head_dim_of(hf)
         self.block_size = config.cache_config.block_size
         self.max_blocks_per_seq = -(-mc.max_model_len // self.block_size)
-        self.use_triton = self.device.type == "cuda"
-        self.attn_workspace = None
-        if self.use_triton:
-            from loraserve.kernels.paged_attention import make_workspace
-
-            self.attn_workspace = make_workspace(hf.num_attention_heads, self.head_dim,
-                                                 self.device)
-        self.sampler = Sampler(self.device, mc.seed)
+        self.attn_workspace = self.backend.attention.make_workspace(
+            hf.num_attention_heads, self.head_dim, self.device)
+        self.sampler = Sampler(self.device, mc.seed, argmax=self.backend.ops.argmax)
         self.pin_memory = self.device.type == "cuda"  # see host_tensor
         # The last step's sampled ids on the device, and each request's row there.
         self._last_sampled: torch.Tensor | None = None
@@ -108,10 +105,8 @@ class ModelRunner:
             self.head_dim, self.dtype, self.device,
         )
         self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            from loraserve.worker.cuda_graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs(self)
+        if self.backend.decode_graphs is not None and not config.enforce_eager:
+            self.graphs = self.backend.decode_graphs(self)
             self.graphs.capture()
 
     # ---- memory ------------------------------------------------------------------
@@ -247,8 +242,7 @@ class ModelRunner:
     def _forward_eager(self, inputs: PreparedInputs) -> torch.Tensor:
         self.punica.update_mapping(inputs.token_lora_slots)
         meta = self.attention_metadata(inputs)
-        attn = (TritonPagedAttention(meta, self.attn_workspace) if self.use_triton
-                else TorchPagedAttention(meta))
+        attn = self.backend.attention(meta, self.attn_workspace)
         input_ids = self.to_device(inputs.input_ids)
         self.fill_pending(input_ids, inputs)
         return self.model(input_ids, self.to_device(inputs.positions), self.kv_caches, attn)
@@ -261,7 +255,7 @@ class ModelRunner:
             block_tables=inputs.block_tables,
             block_size=self.block_size,
         )
-        if self.use_triton:
+        if self.backend.attention.device_metadata:
             meta.block_tables_t = block_table_tensor(
                 inputs.block_tables, self.pin_memory).to(self.device, non_blocking=True)
             meta.query_start_loc_t = self.to_device(inputs.query_start_loc, torch.int32)

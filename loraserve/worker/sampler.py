@@ -11,6 +11,7 @@ on what else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,8 +85,16 @@ def _to_host_async(t: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        seed: int = 0,
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """``argmax``: the backend's row argmax (the first of equal maxima); torch's
+        by default."""
         self.device = device
+        self._argmax = argmax or (lambda logits: torch.argmax(logits, dim=-1))
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     @torch.no_grad()
@@ -101,7 +110,7 @@ class Sampler:
         logits = _apply_penalties(logits, rows)
         logits = _mask_stop_tokens(logits, rows)
 
-        greedy_ids = argmax(logits)
+        greedy_ids = self._argmax(logits)
         if all_greedy:
             token_ids = greedy_ids
         else:
@@ -164,16 +173,6 @@ class Sampler:
             if row.generator is not None:
                 q[i].exponential_(generator=row.generator)
         return (probs / q).argmax(dim=-1)
-
-
-def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """logits.argmax(-1) (the first of equal maxima), into ``out`` if given; on a GPU
-    in one Triton launch (kernels/argmax.py), not torch's reduce kernels."""
-    if not logits.is_cuda:
-        return torch.argmax(logits, dim=-1, out=out)
-    from loraserve.kernels.argmax import argmax_rows
-
-    return argmax_rows(logits if logits.stride(1) == 1 else logits.contiguous(), out)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Run on a CUDA machine:
 
-    python benchmarks/kernels.py --json out.json --md out.md
+    python benchmarks/lora_op.py --json out.json --md out.md
 
 Every point is timed two ways: replaying a CUDA graph, and eagerly. A timed
 call cycles through several independent sets of (x, y, A, B) so that the
@@ -28,7 +28,9 @@ import time
 
 import torch
 import triton.testing
-from loraserve.kernels import LoRAMetadata, add_lora_linear, workspace_numel
+from loraserve.kernels.lora_meta import LoRAMetadata
+from loraserve.kernels.lora_ops import add_lora_linear
+from loraserve.kernels.lora_shrink import workspace_numel
 
 SHAPES = {
     "qkv": (4096, [4096, 1024, 1024]),

