@@ -3,11 +3,17 @@
 Each server owns its own CollectorRegistry (no process-wide global), fed from two
 places: per-request timings and token counts from the engine client, and the
 scheduler's stats that the engine core sends with its outputs.
+
+The LoRA metrics carry vLLM's names with our prefix (`vllm:lora_requests_info` is
+`loraserve:lora_requests_info`, and so on), so that dashboards and LoRA-aware
+routers written for vLLM read them unchanged.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -17,8 +23,11 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-from loraserve.engine.protocol import SchedulerStats
+from loraserve.engine.protocol import LORA_LOAD_TIME_BUCKETS_S, SchedulerStats
 
 PREFIX = "loraserve:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -31,6 +40,41 @@ _ITL_BUCKETS = (
     0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
     0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 80.0,
 )  # fmt: skip
+
+
+class EngineTotalsHistogram(Collector):
+    """A histogram counted in the engine process: the engine keeps the count per
+    bucket and the sum, and sends them with its stats; the latest are rendered as
+    they are. A value is thus never lost or counted twice, however many stats
+    messages carry the same totals."""
+
+    def __init__(self, name: str, documentation: str, bounds: Sequence[float],
+                 registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.bounds = tuple(bounds)
+        self._counts = [0] * (len(self.bounds) + 1)
+        self._sum = 0.0
+        registry.register(self)
+
+    def set_totals(self, counts: Sequence[int], total: float) -> None:
+        """Counts per bucket (not cumulative), the last one for values above every bound."""
+        if len(counts) != len(self._counts):
+            raise ValueError(
+                f"{self.name}: {len(counts)} bucket counts for {len(self._counts)} buckets"
+            )
+        self._counts = list(counts)
+        self._sum = total
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self.name, self.documentation)]
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        cumulative = list(itertools.accumulate(self._counts))
+        buckets = [(floatToGoString(b), n) for b, n in zip(self.bounds, cumulative, strict=False)]
+        buckets.append(("+Inf", cumulative[-1]))
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets,
+                                    sum_value=self._sum)
 
 
 class ServerMetrics:
@@ -85,6 +129,7 @@ class ServerMetrics:
             "Histogram of end-to-end request latency in seconds.", buckets=_LATENCY_BUCKETS,
         )
         self._resident: set[tuple[str, str]] = set()
+        self._loaded: set[tuple[str, str, str]] = set()
         self._preemptions_seen = 0
         self.lora_info: Gauge | None = None
         self.lora_resident: Gauge | None = None
@@ -103,6 +148,29 @@ class ServerMetrics:
             "1 while the adapter is held at this level (gpu: a device slot, cpu: the "
             "CPU cache).",
             ["adapter", "level"], registry=reg,
+        )
+        # One series per adapter, at the fastest level that holds it: a router prefers
+        # a replica where the adapter is on the device, then one where it is in CPU
+        # memory, over one that must read it from disk.
+        self.lora_loaded = Gauge(
+            PREFIX + "lora_adapter_loaded",
+            "1 while the LoRA adapter is loaded: level gpu while it holds a device slot, "
+            "cpu while it is only in the CPU cache. Pinned adapters are never evicted.",
+            ["adapter_name", "level", "pinned"], registry=reg,
+        )
+        self.num_gpu_loaded = Gauge(
+            PREFIX + "num_gpu_loaded_lora_adapters",
+            "Number of LoRA adapters in device slots.", registry=reg,
+        )
+        self.num_cpu_loaded = Gauge(
+            PREFIX + "num_cpu_loaded_lora_adapters",
+            "Number of LoRA adapters in the CPU cache.", registry=reg,
+        )
+        self.lora_load_time = EngineTotalsHistogram(
+            PREFIX + "lora_adapter_load_seconds",
+            "Histogram of LoRA adapter load time in seconds, from the start of the disk "
+            "read to the adapter being usable in the CPU cache.",
+            LORA_LOAD_TIME_BUCKETS_S, reg,
         )
 
     def record_stats(self, stats: SchedulerStats) -> None:
@@ -129,6 +197,23 @@ class ServerMetrics:
         for adapter, level in resident:
             self.lora_resident.labels(adapter=adapter, level=level).set(1)
         self._resident = resident
+
+        on_gpu, pinned = set(stats.gpu_lora_adapters), set(stats.pinned_lora_adapters)
+        loaded = {
+            (name, "gpu" if name in on_gpu else "cpu", "true" if name in pinned else "false")
+            for name in on_gpu.union(stats.cpu_lora_adapters)
+        }
+        # Removed, not set to 0: an adapter that left a level has no series there.
+        for labels in self._loaded - loaded:
+            self.lora_loaded.remove(*labels)
+        for labels in loaded:
+            self.lora_loaded.labels(*labels).set(1)
+        self._loaded = loaded
+        self.num_gpu_loaded.set(len(on_gpu))
+        self.num_cpu_loaded.set(len(set(stats.cpu_lora_adapters)))
+        if stats.lora_load_time_counts:
+            self.lora_load_time.set_totals(stats.lora_load_time_counts,
+                                           stats.lora_load_time_sum_s)
 
     def record_prompt_tokens(self, num_tokens: int) -> None:
         self.prompt_tokens.inc(num_tokens)

@@ -1,5 +1,7 @@
 """Prometheus metrics: names with the `loraserve:` prefix, lora_requests_info as
-DESIGN.md defines it, adapter residency, and output that prometheus_client parses."""
+DESIGN.md defines it, adapter residency (vLLM's lora_adapter_loaded and the
+loaded-adapter counts), adapter load times, and output that prometheus_client
+parses."""
 
 from __future__ import annotations
 
@@ -7,7 +9,11 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraserve.engine.protocol import SchedulerStats
+from loraserve.engine.protocol import (
+    LORA_LOAD_TIME_BUCKETS_S,
+    SchedulerStats,
+    lora_load_time_bucket,
+)
 from loraserve.metrics import ServerMetrics
 
 
@@ -100,3 +106,82 @@ def test_lora_metrics_only_with_lora():
     names = set(families(metrics))
     assert "loraserve:num_requests_running" in names
     assert not {n for n in names if "lora" in n.split(":", 1)[1]}
+
+
+def loaded_series(found: dict) -> set[tuple[str, str, str]]:
+    return {(s.labels["adapter_name"], s.labels["level"], s.labels["pinned"])
+            for s in found["loraserve:lora_adapter_loaded"].samples if s.value == 1}
+
+
+def test_each_loaded_adapter_has_one_series_at_its_fastest_level():
+    metrics = ServerMetrics("m", max_loras=2)
+    metrics.record_stats(SchedulerStats(
+        gpu_lora_adapters=["a", "d"], cpu_lora_adapters=["a", "b", "c"],
+        pinned_lora_adapters=["b", "d"],
+    ))
+    found = families(metrics)
+    # d holds a slot after the CPU cache let it go (a running request still uses it).
+    assert loaded_series(found) == {("a", "gpu", "false"), ("b", "cpu", "true"),
+                                    ("c", "cpu", "false"), ("d", "gpu", "true")}
+    assert len(found["loraserve:lora_adapter_loaded"].samples) == 4
+    assert found["loraserve:num_gpu_loaded_lora_adapters"].samples[0].value == 2
+    assert found["loraserve:num_cpu_loaded_lora_adapters"].samples[0].value == 3
+
+
+def test_loaded_series_follow_slot_moves_pins_and_unloads():
+    metrics = ServerMetrics("m", max_loras=1)
+    metrics.record_stats(SchedulerStats(gpu_lora_adapters=["a"], cpu_lora_adapters=["a", "b"]))
+    metrics.record_stats(SchedulerStats(gpu_lora_adapters=["b"], cpu_lora_adapters=["a", "b"],
+                                        pinned_lora_adapters=["b"]))
+    found = families(metrics)
+    # No series stays behind at the old level or with the old pin.
+    assert {(s.labels["adapter_name"], s.labels["level"], s.labels["pinned"])
+            for s in found["loraserve:lora_adapter_loaded"].samples} == {
+        ("a", "cpu", "false"), ("b", "gpu", "true")}
+    metrics.record_stats(SchedulerStats(gpu_lora_adapters=["b"], cpu_lora_adapters=["b"],
+                                        pinned_lora_adapters=["b"]))
+    found = families(metrics)
+    assert [s.labels["adapter_name"] for s in found["loraserve:lora_adapter_loaded"].samples] \
+        == ["b"]
+    assert found["loraserve:num_cpu_loaded_lora_adapters"].samples[0].value == 1
+
+
+def load_time_samples(metrics: ServerMetrics) -> dict:
+    family = families(metrics)["loraserve:lora_adapter_load_seconds"]
+    assert family.type == "histogram"
+    return {(s.name.rsplit("_", 1)[1], s.labels.get("le")): s.value for s in family.samples}
+
+
+def test_load_times_count_each_load_once_however_often_stats_arrive():
+    metrics = ServerMetrics("m", max_loras=2)
+    assert load_time_samples(metrics)[("count", None)] == 0
+    counts = [0] * (len(LORA_LOAD_TIME_BUCKETS_S) + 1)
+    counts[lora_load_time_bucket(0.02)] += 1
+    stats = SchedulerStats(lora_load_time_counts=list(counts), lora_load_time_sum_s=0.02)
+    # Stats more often than loads: the same totals again and again.
+    for _ in range(3):
+        metrics.record_stats(stats)
+    samples = load_time_samples(metrics)
+    assert samples[("count", None)] == 1 and samples[("sum", None)] == 0.02
+    assert samples[("bucket", "0.01")] == 0 and samples[("bucket", "0.025")] == 1
+    # Stats less often than loads: three more loads between two messages.
+    for seconds in (0.3, 45.0, 75.0):
+        counts[lora_load_time_bucket(seconds)] += 1
+    metrics.record_stats(SchedulerStats(lora_load_time_counts=counts,
+                                        lora_load_time_sum_s=120.32))
+    samples = load_time_samples(metrics)
+    assert samples[("count", None)] == 4 and samples[("sum", None)] == 120.32
+    assert samples[("bucket", "0.25")] == 1 and samples[("bucket", "0.5")] == 2
+    assert samples[("bucket", "30.0")] == 2 and samples[("bucket", "60.0")] == 3
+    assert samples[("bucket", "+Inf")] == 4
+    # A message without LoRA totals (none yet) leaves them as they are.
+    metrics.record_stats(SchedulerStats())
+    assert load_time_samples(metrics)[("count", None)] == 4
+
+
+def test_load_time_buckets_span_10ms_to_60s():
+    assert LORA_LOAD_TIME_BUCKETS_S[0] == 0.01 and LORA_LOAD_TIME_BUCKETS_S[-1] == 60.0
+    assert list(LORA_LOAD_TIME_BUCKETS_S) == sorted(set(LORA_LOAD_TIME_BUCKETS_S))
+    # A load that takes exactly a bound is in that bound's bucket (Prometheus' le).
+    assert lora_load_time_bucket(0.01) == 0 and lora_load_time_bucket(0.0100001) == 1
+    assert lora_load_time_bucket(61.0) == len(LORA_LOAD_TIME_BUCKETS_S)

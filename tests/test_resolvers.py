@@ -12,8 +12,15 @@ import pytest
 
 from loraserve.lora import resolver as resolver_mod
 from loraserve.lora.request import LoRARequest
-from loraserve.lora.resolver import LoRAResolver, load_resolvers
+from loraserve.lora.resolver import LoRAResolver, LoRAResolverRegistry, load_resolvers
 from loraserve.lora.resolvers import filesystem, hf_hub
+
+
+@pytest.fixture(autouse=True)
+def empty_registry(monkeypatch):
+    """Plugins register into the process's registry: each test starts with it empty."""
+    monkeypatch.setattr(LoRAResolverRegistry, "resolvers", {})
+    monkeypatch.delenv(resolver_mod.ENV_PLUGINS, raising=False)
 
 
 def make_adapter_dir(path, peft_type="LORA"):
@@ -36,6 +43,23 @@ def test_filesystem_resolver(tmp_path):
     assert found.lora_name == "sql" and found.lora_path == str((tmp_path / "sql").resolve())
     assert found.base_model_name == "base"
     for name in ["missing", "prefix", "empty", "../sql", "sql/..", "/etc"]:
+        assert resolve(fs, name) is None, name
+
+
+def test_filesystem_resolver_finds_org_slash_name(tmp_path):
+    cache = tmp_path / "cache"
+    make_adapter_dir(cache / "org" / "sql")
+    make_adapter_dir(cache / "flat")
+    outside = make_adapter_dir(tmp_path / "outside")
+    (cache / "org" / "link").symlink_to(outside)
+    fs = filesystem.FilesystemResolver(cache)
+    found = resolve(fs, "org/sql")
+    assert found.lora_name == "org/sql"
+    assert found.lora_path == str((cache / "org" / "sql").resolve())
+    # "org" holds adapters but is none; the other names reach outside the cache or
+    # give one adapter a second name.
+    for name in ["org", "org/", "org//sql", "org/./sql", "org/../flat", "org/sql/..",
+                 "org/link", "org/missing", "/org/sql"]:
         assert resolve(fs, name) is None, name
 
 

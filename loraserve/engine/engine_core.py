@@ -351,17 +351,21 @@ class EngineCore:
         return outputs
 
     def get_stats(self) -> SchedulerStats:
-        manager = self.lora_manager
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv.usage(),
             running_lora_adapters=sorted(self.scheduler.running_loras()),
             waiting_lora_adapters=sorted(self.scheduler.waiting_loras()),
-            gpu_lora_adapters=manager.slot_names() if manager else [],
-            cpu_lora_adapters=manager.cpu_names() if manager else [],
             num_preemptions=self.scheduler.num_preemptions,
         )
+        manager = self.lora_manager
+        if manager is not None:
+            stats.gpu_lora_adapters = manager.slot_names()
+            stats.cpu_lora_adapters = manager.cpu_names()
+            stats.pinned_lora_adapters = manager.pinned_names()
+            stats.lora_load_time_counts, stats.lora_load_time_sum_s = manager.load_times()
+        return stats
 
     def shutdown(self) -> None:
         if self.lora_manager is not None:

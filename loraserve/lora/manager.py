@@ -6,6 +6,9 @@ device slot when a step needs it (or at once when added through the API). A
 module the adapter does not target has its slot zeroed. Pinned adapters are
 never evicted.
 
+Each load is timed from the start of its disk read to the adapter being in the CPU
+cache, and the engine reports the totals (load_times) with its stats.
+
 Unloading is for good: the (name, id) pairs of an unloaded adapter are retired,
 so that a request which still carries one (it chose the adapter just before the
 unload) is refused rather than load it from disk again. Only an explicit add
@@ -15,6 +18,8 @@ brings a retired pair back.
 from __future__ import annotations
 
 import logging
+import time
+import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -22,6 +27,7 @@ import torch
 from torch import nn
 
 from loraserve.config import LoRAConfig
+from loraserve.engine.protocol import LORA_LOAD_TIME_BUCKETS_S, lora_load_time_bucket
 from loraserve.lora.errors import LoRAError
 from loraserve.lora.layers import LinearWithLoRA
 from loraserve.lora.lru import LRUCache
@@ -59,6 +65,27 @@ def wrap_model(
     return wrappers, info
 
 
+class _ReadStarts:
+    """When the disk read behind each loaded LoRAModel began.
+
+    Kept beside the model rather than in it: a model read on another thread (a
+    runtime add) reaches insert only later, and one that is never inserted (its add
+    was dropped, its adapter unloaded) must not be kept alive here, so its entry
+    goes when the model does. LoRAModel compares by value, hence the id key.
+    """
+
+    def __init__(self) -> None:
+        self._started: dict[int, tuple[weakref.ref, float]] = {}
+
+    def mark(self, lora: LoRAModel, started: float) -> None:
+        key, table = id(lora), self._started
+        table[key] = (weakref.ref(lora, lambda _ref: table.pop(key, None)), started)
+
+    def pop(self, lora: LoRAModel) -> float | None:
+        entry = self._started.pop(id(lora), None)
+        return entry[1] if entry is not None and entry[0]() is lora else None
+
+
 class LoRAManager:
     def __init__(
         self,
@@ -79,13 +106,18 @@ class LoRAManager:
         # it, so that unloading an evicted adapter still retires its id.
         self._ids: dict[str, int] = {}
         self._retired: set[tuple[str, int]] = set()
+        self._read_starts = _ReadStarts()
+        self._load_time_counts = [0] * (len(LORA_LOAD_TIME_BUCKETS_S) + 1)
+        self._load_time_sum_s = 0.0
 
     # ---- loading -------------------------------------------------------------------
 
     def load(self, lora_request: LoRARequest) -> LoRAModel:
-        """Read an adapter from disk (or the Hub) into CPU tensors; raises LoRAError."""
+        """Read an adapter from disk (or the Hub) into CPU tensors; raises LoRAError.
+        Thread-safe: background and runtime loads call it on their own threads."""
+        started = time.monotonic()
         try:
-            return load_lora_model(
+            lora = load_lora_model(
                 lora_request, self.info, self.config.max_lora_rank, self.config.lora_dtype,
                 self.config.target_modules,
             )
@@ -93,6 +125,8 @@ class LoRAManager:
             raise
         except Exception as e:  # corrupt files and the like: still the adapter's fault
             raise LoRAError(lora_request.lora_name, f"{type(e).__name__}: {e}") from e
+        self._read_starts.mark(lora, started)
+        return lora
 
     def add(self, lora_request: LoRARequest, pinned: bool = False,
             loaded: LoRAModel | None = None) -> LoRAModel:
@@ -114,6 +148,11 @@ class LoRAManager:
         self._ids[lora.name] = lora.int_id
         for name, _ in self.cpu_cache.put(lora.name, lora):
             logger.info("LoRA %s evicted from the CPU cache", name)
+        started = self._read_starts.pop(lora)
+        if started is not None:  # None: this read was inserted (and counted) before
+            seconds = time.monotonic() - started
+            self._load_time_counts[lora_load_time_bucket(seconds)] += 1
+            self._load_time_sum_s += seconds
 
     def start_background_load(self, lora_request: LoRARequest) -> None:
         name = lora_request.lora_name
@@ -229,6 +268,14 @@ class LoRAManager:
 
     def slot_names(self) -> list[str]:
         return self.slots.keys()
+
+    def pinned_names(self) -> list[str]:
+        return [name for name in self.cpu_cache.keys() if self.cpu_cache.is_pinned(name)]
+
+    def load_times(self) -> tuple[list[int], float]:
+        """Every load so far: the count per bucket of LORA_LOAD_TIME_BUCKETS_S (plus
+        one for longer loads) and their total seconds."""
+        return list(self._load_time_counts), self._load_time_sum_s
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=False, cancel_futures=True)

@@ -1,4 +1,9 @@
-"""Resolve adapter names to folders under LORASERVE_LORA_RESOLVER_CACHE_DIR."""
+"""Resolve adapter names to folders under LORASERVE_LORA_RESOLVER_CACHE_DIR.
+
+The name ``sql`` is ``<cache_dir>/sql``, and a Hub-style name ``org/sql`` is
+``<cache_dir>/org/sql``, so a cache laid out by repo id serves requests that name
+the repo.
+"""
 
 from __future__ import annotations
 
@@ -42,10 +47,23 @@ class FilesystemResolver(LoRAResolver):
     def __init__(self, cache_dir: str | os.PathLike) -> None:
         self.cache_dir = Path(cache_dir).resolve()
 
+    def adapter_dir(self, lora_name: str) -> Path | None:
+        """The folder the name stands for, or None for a name that is not a plain
+        relative path inside the cache folder."""
+        parts = lora_name.split("/")
+        # "..", "." and empty parts would give one folder several names, or reach
+        # outside the cache ("../x", "/etc").
+        if any(part in ("", ".", "..") for part in parts):
+            return None
+        candidate = self.cache_dir.joinpath(*parts).resolve()
+        # A symlink inside the cache may still point out of it.
+        if not candidate.is_relative_to(self.cache_dir) or candidate == self.cache_dir:
+            return None
+        return candidate
+
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
-        candidate = (self.cache_dir / lora_name).resolve()
-        # A name like "../x" must not reach outside the cache folder.
-        if candidate.parent != self.cache_dir:
+        candidate = self.adapter_dir(lora_name)
+        if candidate is None:
             return None
         return adapter_request(lora_name, candidate, base_model_name)
 

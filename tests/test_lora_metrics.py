@@ -1,0 +1,178 @@
+"""vLLM's per-adapter LoRA metrics: the engine's stats count every adapter load
+once (from the start of its disk read to the adapter being in the CPU cache) and
+name the pinned adapters; a real server's /metrics shows each loaded adapter with
+its level and pin, the loaded-adapter counts, and the load-time histogram, and
+drops an adapter's series when it leaves a level or is unloaded."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serve_utils import ServerProcess, wait_until
+
+from loraserve import LLM, LoRARequest, SamplingParams
+from loraserve.engine.protocol import LORA_LOAD_TIME_BUCKETS_S, lora_load_time_bucket
+from loraserve.lora.errors import LoRAError
+
+NO_LOADS = [0] * (len(LORA_LOAD_TIME_BUCKETS_S) + 1)
+
+
+# ---- the engine's stats ---------------------------------------------------------
+
+
+@pytest.fixture()
+def llm(llama_dir):
+    return LLM(llama_dir, enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=16)
+
+
+def _use(llm: LLM, lora: LoRARequest, prompt: list[int]) -> None:
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=2),
+                 lora)
+
+
+def num_loads(llm: LLM) -> int:
+    return sum(llm.engine.get_stats().lora_load_time_counts)
+
+
+def test_each_read_from_disk_counts_once(llm, llama_adapters, prompts):
+    core = llm.engine
+    reqs = {n: LoRARequest(n, i + 1, llama_adapters[n])
+            for i, n in enumerate(("r8", "r1", "r16_qv"))}
+    stats = core.get_stats()
+    assert stats.lora_load_time_counts == NO_LOADS and stats.lora_load_time_sum_s == 0
+    core.add_lora(reqs["r8"], pinned=True)  # read on the caller's thread
+    _use(llm, reqs["r1"], prompts[0])  # read in the background while the request waits
+    # Asking for the stats again and again counts nothing twice.
+    assert [sum(core.get_stats().lora_load_time_counts) for _ in range(3)] == [2, 2, 2]
+    stats = core.get_stats()
+    assert stats.pinned_lora_adapters == ["r8"] and stats.lora_load_time_sum_s > 0
+    _use(llm, reqs["r1"], prompts[0])  # in the CPU cache: nothing read
+    assert num_loads(llm) == 2
+    _use(llm, reqs["r16_qv"], prompts[0])  # two CPU places: r1 goes (r8 is pinned)
+    _use(llm, reqs["r1"], prompts[0])  # so r1 is read again
+    assert num_loads(llm) == 4
+
+
+def test_a_read_counts_once_it_is_in_the_cache_and_a_failed_one_never(
+    llm, llama_adapters, tmp_path
+):
+    core = llm.engine
+    req = LoRARequest("r8", 1, llama_adapters["r8"])
+    # A runtime add reads on another thread and hands the result to add_lora later.
+    read = core.read_lora(req)
+    core.read_lora(LoRARequest("r1", 2, llama_adapters["r1"]))  # its add was dropped
+    assert num_loads(llm) == 0
+    core.add_lora(req, loaded=read)
+    assert num_loads(llm) == 1
+    with pytest.raises(LoRAError):
+        core.add_lora(LoRARequest("missing", 3, str(tmp_path / "missing")))
+    assert num_loads(llm) == 1
+
+
+def test_the_load_time_runs_from_the_start_of_the_read_to_the_cache(llm, llama_adapters):
+    core = llm.engine
+    req = LoRARequest("r8", 1, llama_adapters["r8"])
+    started = time.monotonic()
+    read = core.read_lora(req)
+    time.sleep(0.3)  # the add waits for the engine loop: still part of the load
+    core.add_lora(req, loaded=read)
+    elapsed = time.monotonic() - started
+    stats = core.get_stats()
+    assert 0.3 <= stats.lora_load_time_sum_s <= elapsed
+    bucket = lora_load_time_bucket(stats.lora_load_time_sum_s)
+    assert stats.lora_load_time_counts == [int(i == bucket) for i in range(len(NO_LOADS))]
+
+
+# ---- a real server's /metrics -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, llama_adapters):
+    pinned = json.dumps({"name": "pinned", "path": llama_adapters["r1"], "pinned": True})
+    with ServerProcess(
+        [
+            llama_dir, "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "4",
+            "--served-model-name", "base",
+            "--lora-modules", f"static={llama_adapters['r8']}", pinned,
+        ],
+        env={"LORASERVE_ALLOW_RUNTIME_LORA_UPDATING": "1"},
+    ) as srv:
+        yield srv
+
+
+def scrape(server: ServerProcess) -> dict:
+    response = httpx.get(server.url + "/metrics", timeout=10)
+    assert response.status_code == 200
+    return {f.name: f for f in text_string_to_metric_families(response.text)}
+
+
+def loaded(families: dict) -> set[tuple[str, str, str]]:
+    return {(s.labels["adapter_name"], s.labels["level"], s.labels["pinned"])
+            for s in families["loraserve:lora_adapter_loaded"].samples if s.value == 1}
+
+
+def gauge(families: dict, name: str) -> float:
+    (sample,) = families[name].samples
+    return sample.value
+
+
+def load_histogram(families: dict) -> dict[str, float]:
+    family = families["loraserve:lora_adapter_load_seconds"]
+    assert family.type == "histogram"
+    return {s.labels.get("le", s.name.rsplit("_", 1)[1]): s.value for s in family.samples}
+
+
+def wait_for_metrics(server: ServerProcess, want_loaded: set, num_gpu: int,
+                     num_cpu: int) -> dict:
+    """The engine sends its stats a few times a second: wait for the state to show."""
+    found: dict = {}
+
+    def shows() -> bool:
+        found.update(scrape(server))
+        return (loaded(found) == want_loaded
+                and gauge(found, "loraserve:num_gpu_loaded_lora_adapters") == num_gpu
+                and gauge(found, "loraserve:num_cpu_loaded_lora_adapters") == num_cpu)
+
+    assert wait_until(shows, 15, 0.1), (loaded(found), server.output())
+    return found
+
+
+def test_metrics_follow_the_adapters_of_a_running_server(server, llama_adapters):
+    # At start-up both static adapters are read and take the two slots.
+    wait_for_metrics(server, {("static", "gpu", "false"), ("pinned", "gpu", "true")}, 2, 2)
+
+    response = server.post("/v1/load_lora_adapter",
+                           {"lora_name": "runtime", "lora_path": llama_adapters["r16_qv"]})
+    assert response.status_code == 200, response.text
+    # The new adapter takes the slot of the unpinned one, which stays in CPU memory.
+    wait_for_metrics(server, {("static", "cpu", "false"), ("pinned", "gpu", "true"),
+                              ("runtime", "gpu", "false")}, 2, 3)
+
+    response = server.post("/v1/completions", {"model": "static", "prompt": "Hello",
+                                               "max_tokens": 2, "temperature": 0.0})
+    assert response.status_code == 200, response.text
+    found = wait_for_metrics(server, {("static", "gpu", "false"), ("pinned", "gpu", "true"),
+                                      ("runtime", "cpu", "false")}, 2, 3)
+    # lora_requests_info keeps vLLM's labels beside the new metrics.
+    info = found["loraserve:lora_requests_info"].samples
+    assert info and {s.labels["max_lora"] for s in info} == {"2"}
+    assert set(info[0].labels) == {"max_lora", "waiting_lora_adapters",
+                                   "running_lora_adapters"}
+
+    response = server.post("/v1/unload_lora_adapter", {"lora_name": "runtime"})
+    assert response.status_code == 200, response.text
+    found = wait_for_metrics(server, {("static", "gpu", "false"), ("pinned", "gpu", "true")},
+                             2, 2)
+    assert not [s for s in found["loraserve:lora_adapter_loaded"].samples
+                if s.labels["adapter_name"] == "runtime"]
+
+    # Three reads from disk (two static, one at run time); the request read nothing.
+    histogram = load_histogram(found)
+    assert histogram["count"] == 3 and histogram["+Inf"] == 3 and histogram["sum"] > 0
+    cumulative = [histogram[str(bound)] for bound in LORA_LOAD_TIME_BUCKETS_S]
+    assert cumulative == sorted(cumulative) and cumulative[-1] <= 3
+
