@@ -193,7 +193,7 @@ def test_a_fault_outside_any_request_fails_all_and_the_engine_goes_on(
 
 
 def _resident(engine, name: str) -> bool:
-    manager = engine.lora_manager
+    manager = engine.loras
     return (name in manager.cpu_names() or name in manager.slot_names()
             or name in engine.lora_memory_usage() or name in manager._loading)
 
@@ -237,7 +237,7 @@ def test_requests_waiting_on_a_load_fail_when_it_is_unloaded(llm, llama_adapters
     lora = LoRARequest("waits", 61, llama_adapters["r16_qv"])
     engine.add_request(_request("w0", prompts[0], lora=lora))  # starts a background load
     engine.add_request(_request("w1", prompts[1], lora=lora))
-    (future,) = [f for name, (_, f) in engine.lora_manager._loading.items() if name == "waits"]
+    (future,) = [f for name, (_, f) in engine.loras._loading.items() if name == "waits"]
     engine.remove_lora("waits")
     # Let the disk read finish (unless it was cancelled in time): its result is dropped.
     concurrent.futures.wait([future], timeout=60)
@@ -251,7 +251,7 @@ def test_requests_waiting_on_a_load_fail_when_it_is_unloaded(llm, llama_adapters
 
 def test_a_load_that_finishes_for_an_unloaded_adapter_is_dropped(llm, llama_adapters):
     """Whoever started it, a disk read of a retired adapter never becomes resident."""
-    manager = llm.engine.lora_manager
+    manager = llm.engine.loras
     lora = LoRARequest("stale", 71, llama_adapters["r1"])
     manager.add(lora)
     manager.remove("stale")
@@ -272,7 +272,7 @@ class _FakeCore:
         self.added: list[str] = []
         self.loras_added: list[str] = []
         self.release_read = threading.Event()
-        self.lora_manager = object()
+        self.lora_enabled = True
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.added.append(request.request_id)

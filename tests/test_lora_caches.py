@@ -33,7 +33,7 @@ def _use(llm: LLM, lora: LoRARequest, prompt: list[int]) -> None:
 
 
 def test_eviction_order_of_both_caches(engine_llm, llama_adapters, prompts):
-    manager = engine_llm.engine.lora_manager
+    manager = engine_llm.engine.loras
     reqs = {n: LoRARequest(n, i + 1, p) for i, (n, p) in enumerate(llama_adapters.items())}
     names = list(reqs)  # r8, r16_qv, r1, r8_mlp
     for n in names[:3]:
@@ -48,7 +48,7 @@ def test_eviction_order_of_both_caches(engine_llm, llama_adapters, prompts):
 
 
 def test_pinned_adapter_is_never_evicted(engine_llm, llama_adapters, prompts):
-    manager = engine_llm.engine.lora_manager
+    manager = engine_llm.engine.loras
     reqs = [LoRARequest(n, i + 1, p) for i, (n, p) in enumerate(llama_adapters.items())]
     engine_llm.engine.add_lora(reqs[0], pinned=True)
     for r in reqs[1:]:
@@ -59,7 +59,7 @@ def test_pinned_adapter_is_never_evicted(engine_llm, llama_adapters, prompts):
 
 
 def test_unload_frees_cpu_tensors_and_zeroes_the_slot(engine_llm, llama_adapters, prompts):
-    manager = engine_llm.engine.lora_manager
+    manager = engine_llm.engine.loras
     lora = LoRARequest("r8", 1, llama_adapters["r8"])
     _use(engine_llm, lora, prompts[0])
     slot = manager.slots.peek("r8")
@@ -74,7 +74,7 @@ def test_unload_frees_cpu_tensors_and_zeroes_the_slot(engine_llm, llama_adapters
 def test_untargeted_module_slot_is_zeroed(engine_llm, llama_adapters, prompts):
     """An adapter that targets only q/v must not inherit the MLP weights of the
     adapter that held its slot before."""
-    manager = engine_llm.engine.lora_manager
+    manager = engine_llm.engine.loras
     for i, n in enumerate(["r8", "r1", "r16_qv"]):
         _use(engine_llm, LoRARequest(n, i + 1, llama_adapters[n]), prompts[0])
     slot = manager.slots.peek("r16_qv")

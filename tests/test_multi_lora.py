@@ -40,5 +40,5 @@ def test_mixed_batch_equals_alone(llama_dir, llama_adapters, prompts, alone,
     got = _run(llm, [prompts[i] for i, _ in batch], loras)
     for (i, name), tokens in zip(batch, got, strict=True):
         assert tokens == alone[(i, name)], (i, name)
-    assert len(llm.engine.lora_manager.cpu_names()) <= max_cpu_loras
-    assert len(llm.engine.lora_manager.slot_names()) <= max_loras
+    assert len(llm.engine.loras.cpu_names()) <= max_cpu_loras
+    assert len(llm.engine.loras.slot_names()) <= max_loras

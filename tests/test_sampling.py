@@ -131,7 +131,8 @@ def test_argmax_suffices_only_where_sample_is_the_plain_argmax():
     logits = torch.tensor([[2.0, -1.0, 0.5, 1.9], [0.1, 0.3, -2.0, 0.2]])
     plain = [_row(temperature=0), _row(temperature=0, max_tokens=3)]
     assert Sampler.argmax_suffices(plain)
-    assert Sampler.from_argmax(logits.argmax(dim=-1)).to_host() == sampler.sample(logits, plain).to_host()
+    expected = sampler.sample(logits, plain).to_host()
+    assert Sampler.from_argmax(logits.argmax(dim=-1)).to_host() == expected
     # min_tokens holds back EOS (id 0 here), the argmax of the first row.
     held = SamplingRow(SamplingParams(temperature=0, min_tokens=2), [0], [], 0, None)
     assert sampler.sample(logits[:1], [held]).to_host().token_ids == [3]

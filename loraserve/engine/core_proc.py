@@ -97,7 +97,7 @@ class RuntimeLoRALoader:
 
     def submit(self, call: UtilityCall) -> bool:
         """Start an add_lora call; False when it must run inline (no LoRA manager)."""
-        if self.core.lora_manager is None:
+        if not self.core.lora_enabled:
             return False
         lora_request = msgspec.convert(call.args[0], LoRARequest)
         pinned = bool(call.args[1]) if len(call.args) > 1 else False

@@ -33,6 +33,7 @@ from loraserve.engine.protocol import (
 )
 from loraserve.engine.request import Request, RequestStatus
 from loraserve.engine.scheduler import Scheduler
+from loraserve.lora.manager import LoRAManager
 from loraserve.lora.peft_adapter import LoRAModel
 from loraserve.lora.request import LoRARequest
 from loraserve.worker.input_batch import SeqInput, StepInput
@@ -46,6 +47,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
+        # The worker's LoRA side (caches, device slots, background loads), None
+        # without enable_lora: every adapter operation of the engine goes through it.
+        self.loras: LoRAManager | None = self.runner.loras
         self.kv = KVBlockManager(self.runner.num_kv_blocks, config.cache_config.block_size)
         max_loras = config.lora_config.max_loras if config.lora_config else None
         self.scheduler = Scheduler(config.scheduler_config, self.kv, max_loras)
@@ -59,8 +63,13 @@ class EngineCore:
         )
 
     @property
-    def lora_manager(self):
-        return self.runner.lora_manager
+    def lora_enabled(self) -> bool:
+        return self.loras is not None
+
+    def lora_ready(self, name: str) -> bool:
+        """Whether the adapter is in the CPU cache, so a request for it runs without
+        waiting on a load."""
+        return self.loras is not None and self.loras.is_ready(name)
 
     # ---- requests ----------------------------------------------------------------
 
@@ -77,8 +86,8 @@ class EngineCore:
         self.requests[req.request_id] = req
         self.scheduler.add_request(req)
         name = req.lora_name
-        if name is not None and not self.lora_manager.is_ready(name):
-            self.lora_manager.start_background_load(req.lora_request)
+        if name is not None and not self.loras.is_ready(name):
+            self.loras.start_background_load(req.lora_request)
 
     def _check_request(self, ecr: EngineCoreRequest) -> None:
         """Everything a step does per request must be possible: an id outside the
@@ -109,9 +118,9 @@ class EngineCore:
             )
         lora = ecr.lora_request
         if lora is not None:
-            if self.lora_manager is None:
+            if self.loras is None:
                 raise ValueError("a LoRA adapter was requested but LoRA is not enabled")
-            if self.lora_manager.is_retired(lora):
+            if self.loras.is_retired(lora):
                 raise ValueError(f"LoRA adapter {lora.lora_name!r} was unloaded")
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -130,9 +139,9 @@ class EngineCore:
     # ---- adapters ------------------------------------------------------------------
 
     def _require_lora(self):
-        if self.lora_manager is None:
+        if self.loras is None:
             raise ValueError("LoRA is not enabled; start with enable_lora (--enable-lora)")
-        return self.lora_manager
+        return self.loras
 
     def read_lora(self, lora_request: LoRARequest) -> LoRAModel:
         """Read and check an adapter from disk without touching any engine state, so
@@ -166,10 +175,10 @@ class EngineCore:
         self._require_lora().pin(lora_name)
 
     def lora_memory_usage(self) -> dict[str, int]:
-        return self.lora_manager.memory_usage() if self.lora_manager else {}
+        return self.loras.memory_usage() if self.loras else {}
 
     def list_loras(self) -> list[str]:
-        return self.lora_manager.cpu_names() if self.lora_manager else []
+        return self.loras.cpu_names() if self.loras else []
 
     # ---- the step ------------------------------------------------------------------
 
@@ -192,18 +201,18 @@ class EngineCore:
         if self._in_flight is not None and not self._can_overlap():
             self._finish(self._take_in_flight(), outputs)
         ready: set[str] = set()
-        if self.lora_manager is not None:
+        if self.loras is not None:
             busy = self.scheduler.running_loras()
-            for name, error in self.lora_manager.poll_loads():
+            for name, error in self.loras.poll_loads():
                 if error is not None:
                     outputs += self._fail_requests_of(name, str(error), queue=False)
             ready = {
                 name for name in self.scheduler.waiting_loras() | busy
-                if self.lora_manager.is_ready(name)
+                if self.loras.is_ready(name)
             }
         sched = self.scheduler.schedule(ready)
         for lora_request in sched.loras_to_load:
-            self.lora_manager.start_background_load(lora_request)
+            self.loras.start_background_load(lora_request)
         launched = self._launch_isolating(sched.scheduled, outputs) if sched.scheduled else None
         if self._in_flight is not None:
             self._finish(self._take_in_flight(), outputs)
@@ -272,8 +281,8 @@ class EngineCore:
                 sampled_reqs.append(req)
         step = StepInput(seqs)
         slots = (
-            self.lora_manager.set_active(step.lora_names(), self.scheduler.running_loras())
-            if self.lora_manager else {}
+            self.loras.set_active(step.lora_names(), self.scheduler.running_loras())
+            if self.loras else {}
         )
         batch = self.runner.launch(step, slots)
         for req, n in scheduled:
@@ -359,7 +368,7 @@ class EngineCore:
             waiting_lora_adapters=sorted(self.scheduler.waiting_loras()),
             num_preemptions=self.scheduler.num_preemptions,
         )
-        manager = self.lora_manager
+        manager = self.loras
         if manager is not None:
             stats.gpu_lora_adapters = manager.slot_names()
             stats.cpu_lora_adapters = manager.cpu_names()
@@ -368,8 +377,8 @@ class EngineCore:
         return stats
 
     def shutdown(self) -> None:
-        if self.lora_manager is not None:
-            self.lora_manager.shutdown()
+        if self.loras is not None:
+            self.loras.shutdown()
 
 
 @dataclass

@@ -54,9 +54,9 @@ class LLM:
 
         # A bad adapter fails here, before any request is queued, with its reason.
         for lora in {lr for lr in loras if lr is not None}:
-            if self.engine.lora_manager is None:
+            if not self.engine.lora_enabled:
                 raise ValueError("a LoRA adapter was requested but LoRA is not enabled")
-            if not self.engine.lora_manager.is_ready(lora.lora_name) or lora.load_inplace:
+            if not self.engine.lora_ready(lora.lora_name) or lora.load_inplace:
                 self.engine.add_lora(lora)
 
         processor = OutputProcessor(self.tokenizer)

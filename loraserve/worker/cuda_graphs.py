@@ -53,7 +53,7 @@ class DecodeGraphs:
         self.sizes = capture_sizes(min(sc.max_num_seqs, sc.max_num_batched_tokens))
         max_bs = self.sizes[-1]
         dev = runner.device
-        lora = runner.lora_manager is not None
+        lora = runner.loras is not None
         specialize = runner.config.specialize_active_lora
         self.cases = [True] if lora and not specialize else ([False, True] if lora else [False])
         # Row 0: the last step's sampled ids (device-written). Rows 1-5 come from the
@@ -106,7 +106,7 @@ class DecodeGraphs:
         return logits
 
     def _lora_kernels(self, bs: int) -> tuple:
-        manager = self.runner.lora_manager
+        manager = self.runner.loras
         if manager is None:
             return ()
         return tuple(sorted({w.launch_configs(bs) for w in manager.wrappers.values()}))

@@ -75,9 +75,10 @@ class ModelRunner:
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         num_slots = config.lora_config.max_loras if config.lora_config else 1
         self.punica = self.backend.punica_wrapper(self.max_num_tokens, num_slots, self.device)
-        self.lora_manager: LoRAManager | None = None
+        # The LoRA facade the engine drives: adapter caches, device slots, loads.
+        self.loras: LoRAManager | None = None
         if config.lora_config is not None:
-            self.lora_manager = LoRAManager(self.model, config.lora_config, self.punica)
+            self.loras = LoRAManager(self.model, config.lora_config, self.punica)
 
         hf = mc.hf_config
         self.num_layers = hf.num_hidden_layers
@@ -128,7 +129,7 @@ class ModelRunner:
             input_ids=[0] * n, positions=[p for c in per_seq for p in range(c)],
             slot_mapping=[-1] * n, query_start_loc=qsl, seq_lens=per_seq,
             block_tables=[[0] * -(-c // self.block_size) for c in per_seq],
-            token_lora_slots=[0 if self.lora_manager else -1] * n,
+            token_lora_slots=[0 if self.loras else -1] * n,
             sample_indices=[q - 1 for q in qsl[1:]], is_decode=False,
         )
         hidden = self._forward_eager(inputs)
