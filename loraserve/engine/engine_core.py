@@ -58,9 +58,17 @@ class EngineCore:
         self._pending: list[EngineCoreOutput] = []
         # Async scheduling: the launched step whose tokens are not read back yet.
         self._in_flight: _LaunchedStep | None = None
+        sc = config.scheduler_config
         logger.info(
-            "engine ready: %d KV blocks of %d tokens", self.kv.num_blocks, self.kv.block_size
+            "engine ready: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, "
+            "KV cache for %d tokens, %s scheduling",
+            sc.max_model_len, sc.max_num_seqs, sc.max_num_batched_tokens, self.kv.capacity_tokens,
+            "async" if config.async_scheduling else "lockstep",
         )
+        lc = config.lora_config
+        if lc is not None:
+            logger.info("LoRA: max_loras %d device slots, max_cpu_loras %d, max_lora_rank %d",
+                        lc.max_loras, lc.max_cpu_loras, lc.max_lora_rank)
 
     @property
     def lora_enabled(self) -> bool:

@@ -70,7 +70,11 @@ class ModelRunner:
         else:
             load_weights(model, mc.model)
         self.model = model.eval()
-        logger.info("model loaded in %.1f s", time.perf_counter() - start)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        logger.info("model %s loaded in %.1f s: %.2f GiB of %s weights on %s (%s kernels)",
+                    mc.served_model_name or mc.model, time.perf_counter() - start,
+                    weight_bytes / 2**30, str(self.dtype).removeprefix("torch."), self.device,
+                    self.backend.name)
 
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         num_slots = config.lora_config.max_loras if config.lora_config else 1
@@ -151,8 +155,8 @@ class ModelRunner:
         wanted = sc.max_num_seqs * self.max_blocks_per_seq
         # allocate_kv_cache adds block 0, of zeros, to the blocks counted here.
         if cc.kv_cache_memory_bytes is not None:
-            return max(1, cc.kv_cache_memory_bytes // per_block - 1)
-        if self.device.type == "cuda":
+            blocks = max(1, cc.kv_cache_memory_bytes // per_block - 1)
+        elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # Everything in use now (weights, LoRA slots, other processes) plus the
             # activation peak of the largest step must fit in our share.
@@ -168,9 +172,11 @@ class ModelRunner:
                     f"{cc.gpu_memory_utilization:.2f} share of {total / 2**30:.1f} GiB; raise "
                     "--gpu-memory-utilization or lower --max-num-batched-tokens"
                 )
-            logger.info("KV cache: %d blocks (%.1f GiB)", blocks, blocks * per_block / 2**30)
-            return blocks
-        return max(1, min(wanted, _CPU_KV_CACHE_BYTES // per_block))
+        else:
+            blocks = max(1, min(wanted, _CPU_KV_CACHE_BYTES // per_block))
+        logger.info("KV cache: %d blocks of %d tokens, %.2f GiB", blocks, self.block_size,
+                    blocks * per_block / 2**30)
+        return blocks
 
     # ---- a step --------------------------------------------------------------------
 
