@@ -11,10 +11,13 @@ import sys
 from typing import Any
 
 import loraserve
+from loraserve import envs
+from loraserve.entrypoints.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
 from loraserve.entrypoints.serving_models import LoRAModulePath
+from loraserve.entrypoints.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
+from loraserve.model.builtin import BUILTIN_MODELS
 
 ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-ENV_API_KEY = "LORASERVE_API_KEY"
 
 
 class CLIError(ValueError):
@@ -69,6 +72,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
 def _add_serve_parser(subparsers: Any) -> None:
     serve = subparsers.add_parser(
         "serve",
@@ -78,7 +88,8 @@ def _add_serve_parser(subparsers: Any) -> None:
     )
     serve.add_argument(
         "model_tag", nargs="?", metavar="MODEL",
-        help="Model: a local Hugging Face folder, a Hub repo id, or a built-in model name.",
+        help="Model: a local Hugging Face folder, a Hub repo id, or a built-in model name "
+        f"({', '.join(BUILTIN_MODELS)}).",
     )
     serve.add_argument("--model", default=None, help="Same as the positional MODEL.")
 
@@ -87,7 +98,13 @@ def _add_serve_parser(subparsers: Any) -> None:
     server.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     server.add_argument(
         "--api-key", default=None,
-        help=f"Require 'Authorization: Bearer KEY' on /v1/* (also from ${ENV_API_KEY}).",
+        help=f"Require 'Authorization: Bearer KEY' on every endpoint but /health, /version "
+        f"and /metrics (also from ${envs.API_KEY.name}).",
+    )
+    server.add_argument(
+        "--metrics-require-api-key", action="store_true",
+        help="With --api-key, require the key on /metrics too (the Prometheus scraper "
+        "then needs it).",
     )
     server.add_argument(
         "--served-model-name", nargs="+", default=None,
@@ -96,6 +113,23 @@ def _add_serve_parser(subparsers: Any) -> None:
     server.add_argument(
         "--chat-template", default=None,
         help="A Jinja chat template file that replaces the tokenizer's own.",
+    )
+    server.add_argument(
+        "--trust-request-chat-template", action="store_true",
+        help="Accept a chat template in the request (chat_template, or chat_template in "
+        "chat_template_kwargs). A template is code that runs in the server: refused by "
+        "default.",
+    )
+    server.add_argument(
+        "--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="Larger request bodies get 413.",
+    )
+    server.add_argument(
+        "--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="On SIGTERM or SIGINT, stop taking requests and let those in flight finish "
+        "for up to this long; then answer what still runs with 503 (a stream with an "
+        "error event and [DONE]). 0: answer them at once.",
     )
     server.add_argument(
         "--generation-config", default="auto",
@@ -164,6 +198,12 @@ def _add_serve_parser(subparsers: Any) -> None:
         metavar="NAME=PATH|JSON",
         help="Adapters to load at start-up: name=path, or JSON "
         '\'{"name": ..., "path": ..., "base_model_name": ..., "pinned": true}\'.',
+    )
+    lora.add_argument(
+        "--lora-resolvers", nargs="+", default=None, metavar="NAME",
+        help="LoRA resolver plugins to run (entry points of loraserve.lora_resolvers), in "
+        "the order they are asked; default: $LORASERVE_PLUGINS, else all installed. Needs "
+        "LORASERVE_ALLOW_RUNTIME_LORA_UPDATING=1.",
     )
     lora.add_argument(
         "--max-loras", type=_positive_int, default=1,
@@ -304,12 +344,18 @@ def run_serve(args: argparse.Namespace) -> int:
         served_model_names=args.served_model_name or [args.model],
         host=args.host,
         port=args.port,
-        api_key=args.api_key or os.environ.get(ENV_API_KEY) or None,
+        api_key=args.api_key or envs.API_KEY.get() or None,
         lora_modules=args.lora_modules or [],
+        lora_resolvers=args.lora_resolvers,
         max_loras=args.max_loras,
         eos_token_id=eos_token_id(tokenizer, config.model_config.hf_config),
+        vocab_size=config.model_config.hf_config.vocab_size,
         sampling_defaults=sampling_defaults,
         uvicorn_log_level=args.uvicorn_log_level,
+        max_request_body_bytes=args.max_request_body_bytes,
+        trust_request_chat_template=args.trust_request_chat_template,
+        metrics_require_api_key=args.metrics_require_api_key,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
     try:
         return asyncio.run(serve(settings, tokenizer))

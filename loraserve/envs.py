@@ -22,6 +22,14 @@ class EnvVar:
         """The value now: the environment's if it is set and not empty, else the default."""
         return os.environ.get(self.name) or self.default
 
+    def is_set(self) -> bool:
+        """Whether the variable is in the environment at all (even empty)."""
+        return self.name in os.environ
+
+    def flag(self) -> bool:
+        """The value read as a switch: 1, true, yes or on (any case) turn it on."""
+        return self.get().strip().lower() in ("1", "true", "yes", "on")
+
 
 LORA_CONFIG = EnvVar(
     "LORASERVE_LORA_CONFIG",
@@ -42,6 +50,48 @@ NO_PROGRESS = EnvVar(
     "0",
     "1: no progress bar while the weights load (tests, logs of unattended runs).",
 )
+API_KEY = EnvVar(
+    "LORASERVE_API_KEY",
+    "",
+    "The API key clients must send as `Authorization: Bearer <key>`, when --api-key is "
+    "not given.",
+)
+ALLOW_RUNTIME_LORA_UPDATING = EnvVar(
+    "LORASERVE_ALLOW_RUNTIME_LORA_UPDATING",
+    "0",
+    "1: serve /v1/load_lora_adapter and /v1/unload_lora_adapter and ask the LoRA "
+    "resolvers for unknown model names (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).",
+)
+KEEP_ALIVE_ON_ENGINE_DEATH = EnvVar(
+    "LORASERVE_KEEP_ALIVE_ON_ENGINE_DEATH",
+    "0",
+    "1: when the engine process dies, the API server stays up and answers 503 instead "
+    "of exiting (for a supervisor that restarts on /health).",
+)
+ENGINE_READY_TIMEOUT_S = EnvVar(
+    "LORASERVE_ENGINE_READY_TIMEOUT_S",
+    "1800",
+    "Seconds the API server waits for the engine process to load the model and report "
+    "ready before giving up.",
+)
+PLUGINS = EnvVar(
+    "LORASERVE_PLUGINS",
+    "",
+    "Comma-separated LoRA resolver plugins to run (entry points of "
+    "loraserve.lora_resolvers), in the order they are asked; unset: all installed; "
+    "empty: none. --lora-resolvers overrides it.",
+)
+LORA_RESOLVER_CACHE_DIR = EnvVar(
+    "LORASERVE_LORA_RESOLVER_CACHE_DIR",
+    "",
+    "Folder the filesystem resolver looks in: model name `a` or `org/a` resolves to the "
+    "PEFT adapter in <folder>/a or <folder>/org/a.",
+)
+LORA_RESOLVER_HF_REPO_LIST = EnvVar(
+    "LORASERVE_LORA_RESOLVER_HF_REPO_LIST",
+    "",
+    "Comma-separated Hugging Face Hub repos the hub resolver downloads adapters from.",
+)
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET",
     "0",
@@ -49,7 +99,11 @@ TRITON_INTERPRET = EnvVar(
     "tests do). loraserve reads it to work around the interpreter's limits.",
 )
 
-VARIABLES: tuple[EnvVar, ...] = (LORA_CONFIG, CACHE_DIR, NO_PROGRESS, TRITON_INTERPRET)
+VARIABLES: tuple[EnvVar, ...] = (
+    API_KEY, ALLOW_RUNTIME_LORA_UPDATING, KEEP_ALIVE_ON_ENGINE_DEATH, ENGINE_READY_TIMEOUT_S,
+    PLUGINS, LORA_RESOLVER_CACHE_DIR, LORA_RESOLVER_HF_REPO_LIST, LORA_CONFIG, CACHE_DIR,
+    NO_PROGRESS, TRITON_INTERPRET,
+)
 
 
 def lora_config_path() -> Path | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 _GREEDY_EPS = 1e-5
@@ -35,6 +37,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def validate(self) -> None:
         """Raise ValueError with a message that names the bad field."""
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
         checks = [
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
@@ -58,6 +65,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 f"max_tokens must be at least 1, got {self.max_tokens}",
             ),
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens must be at most max_tokens ({self.max_tokens}), got "
+                f"{self.min_tokens}",
+            ),
+            (
+                all(t >= 0 for t in self.stop_token_ids or ()),
+                f"stop_token_ids must not be negative, got {self.stop_token_ids}",
+            ),
             (
                 self.logprobs is None or self.logprobs >= 0,
                 f"logprobs must be >= 0, got {self.logprobs}",

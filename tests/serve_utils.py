@@ -183,3 +183,23 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             pass
         self.log.close()
+
+
+def unix_socket_paths(pid: int) -> list[str]:
+    """Paths that the unix sockets open in process pid were bound to (from
+    /proc/net/unix, which keeps a socket's path even after the file is removed)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    paths = []
+    for line in Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        # Num RefCount Protocol Flags Type St Inode [Path]; '@' marks abstract names.
+        if len(fields) >= 8 and fields[6] in inodes and not fields[7].startswith("@"):
+            paths.append(fields[7])
+    return sorted(set(paths))

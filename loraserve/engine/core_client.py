@@ -5,6 +5,12 @@ token ids into text and fans n>1 back in) and routes each RequestOutput to the
 queue of the coroutine waiting for that request. Requests, aborts and utility
 calls go out on a plain PUSH socket with no high-water mark, so sending never
 blocks the event loop.
+
+The two ipc:// sockets live in a private directory (mode 0700: no other user can
+connect to them). It is removed as soon as the engine has connected to both, so
+that nothing is left behind even when this process is killed with SIGKILL; a
+directory left by a process killed in the seconds before that is removed by the
+next start.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from loraserve.engine.core_proc import run_engine_core
 from loraserve.engine.protocol import EngineCoreOutputs, SchedulerStats
@@ -41,6 +49,9 @@ from loraserve.metrics import ServerMetrics
 from loraserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# The socket directory's name: this prefix, the owning process id, a random part.
+IPC_DIR_PREFIX = "loraserve-ipc-"
 
 
 class EngineDeadError(RuntimeError):
@@ -75,7 +86,8 @@ class AsyncEngineClient:
         self.latest_stats = SchedulerStats()
         self.dead = asyncio.Event()
         self._shutting_down = False
-        self._ipc_dir = tempfile.mkdtemp(prefix="loraserve-")
+        remove_stale_ipc_dirs()
+        self._ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-")
         self._input_addr = f"ipc://{self._ipc_dir}/input"
         self._output_addr = f"ipc://{self._ipc_dir}/output"
         self._sync_ctx = zmq.Context()
@@ -88,6 +100,11 @@ class AsyncEngineClient:
             sock.setsockopt(zmq.LINGER, 0)
         self._input.bind(self._input_addr)
         self._output.bind(self._output_addr)
+        # Until the engine has connected to a socket, that socket's file is needed.
+        self._awaiting_connect = {
+            sock: _accept_monitor(sock, name)
+            for sock, name in ((self._input, "input"), (self._output, "output"))
+        }
         self._decoder = OutputDecoder()
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._queues: dict[str, asyncio.Queue] = {}
@@ -120,9 +137,11 @@ class AsyncEngineClient:
     async def _wait_ready(self, timeout_s: float) -> EngineReady:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            self._remove_ipc_dir_once_connected()
             if await self._output.poll(200):
                 kind, payload = self._decoder.decode(await self._output.recv_multipart())
                 if kind is OutputKind.READY:
+                    self._remove_ipc_dir_once_connected()
                     return payload
                 if kind is OutputKind.FAILED:
                     raise EngineStartError(payload.error)
@@ -131,6 +150,22 @@ class AsyncEngineClient:
                     f"the engine process exited with code {self._proc.exitcode} while starting"
                 )
         raise EngineStartError(f"the engine did not become ready within {timeout_s:.0f} s")
+
+    def _remove_ipc_dir_once_connected(self) -> None:
+        for sock, monitor in list(self._awaiting_connect.items()):
+            while monitor.poll(0):
+                if recv_monitor_message(monitor)["event"] == zmq.EVENT_ACCEPTED:
+                    self._stop_monitoring(sock)
+                    break
+        if not self._awaiting_connect and self._ipc_dir is not None:
+            # Connected sockets need no file: the directory can go now.
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
+
+    def _stop_monitoring(self, sock: zmq.Socket) -> None:
+        monitor = self._awaiting_connect.pop(sock)
+        sock.disable_monitor()
+        monitor.close(linger=0)
 
     @property
     def engine_pid(self) -> int | None:
@@ -186,11 +221,21 @@ class AsyncEngineClient:
         self._mark_dead()
         if self._output_task is not None:
             self._output_task.cancel()
+        for sock in list(self._awaiting_connect):
+            self._stop_monitoring(sock)
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._sync_ctx.term()
         self._async_ctx.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
+
+    def fail_all_requests(self, error: Exception) -> None:
+        """End every request in flight with `error` (raised where its outputs are
+        awaited); each is then aborted in the engine. The engine keeps running."""
+        for queue in self._queues.values():
+            queue.put_nowait(error)
 
     # -- requests -----------------------------------------------------------------
 
@@ -333,6 +378,39 @@ class AsyncEngineClient:
             future.set_exception(EngineUtilityError(result.error_type or "Error", result.error))
         else:
             future.set_result(result.result)
+
+
+def _accept_monitor(sock: zmq.Socket, name: str) -> zmq.Socket:
+    """A plain PAIR socket that receives the connect events of `sock` (which may be
+    an asyncio socket: the monitor shares its context, not its flavour)."""
+    address = f"inproc://loraserve-{name}-connects-{id(sock)}"
+    sock.monitor(address, zmq.EVENT_ACCEPTED)
+    monitor = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
+    monitor.connect(address)
+    return monitor
+
+
+def remove_stale_ipc_dirs(root: str | None = None) -> None:
+    """Remove the socket directories of our own loraserve processes that are gone
+    (killed before they could remove them)."""
+    for path in Path(root or tempfile.gettempdir()).glob(f"{IPC_DIR_PREFIX}*"):
+        pid = path.name.removeprefix(IPC_DIR_PREFIX).split("-", 1)[0]
+        try:
+            if not pid.isdigit() or path.stat().st_uid != os.getuid() or _alive(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _snapshot(output: Any) -> Any:

@@ -1,17 +1,16 @@
 """The HTTP app and the life of the server process.
 
-`run_server` binds the port first (a busy port fails before any model loads),
+`serve` binds the port first (a busy port fails before any model loads),
 starts the engine-core process, waits until it is ready, loads the
 `--lora-modules` adapters, then serves on uvicorn. It stops the engine on the
-way out, whatever the reason: a signal, an error, or the engine's own death.
+way out, whatever the reason: a signal (after draining the requests in flight,
+see shutdown.py), an error, or the engine's own death.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import secrets
 import signal
 import socket
 from collections.abc import AsyncIterator, Awaitable
@@ -28,8 +27,16 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import loraserve
+from loraserve import envs
 from loraserve.engine.core_client import AsyncEngineClient, EngineDeadError
 from loraserve.entrypoints.errors import APIError, bad_request, engine_unavailable
+from loraserve.entrypoints.json_body import StrictJSONRoute
+from loraserve.entrypoints.middleware import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    OPEN_PATHS,
+    BodySizeLimitMiddleware,
+    GuardMiddleware,
+)
 from loraserve.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,23 +45,22 @@ from loraserve.entrypoints.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from loraserve.entrypoints.request_tokenizer import RequestTokenizer
 from loraserve.entrypoints.serving_chat import OpenAIServingChat
+from loraserve.entrypoints.serving_common import ModelLimits
 from loraserve.entrypoints.serving_completion import OpenAIServingCompletion
 from loraserve.entrypoints.serving_models import LoRAModulePath, ServingModels
 from loraserve.entrypoints.serving_tokenization import OpenAIServingTokenization
+from loraserve.entrypoints.shutdown import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    Drain,
+    DrainingServer,
+    shutting_down_error,
+)
 from loraserve.lora.resolver import load_resolvers
 from loraserve.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger("loraserve.api_server")
-
-ENV_ALLOW_RUNTIME_LORA = "LORASERVE_ALLOW_RUNTIME_LORA_UPDATING"
-ENV_KEEP_ALIVE_ON_ENGINE_DEATH = "LORASERVE_KEEP_ALIVE_ON_ENGINE_DEATH"
-ENV_ENGINE_READY_TIMEOUT = "LORASERVE_ENGINE_READY_TIMEOUT_S"
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
 
 @dataclass
 class ServerSettings:
@@ -66,11 +72,20 @@ class ServerSettings:
     port: int = 8000
     api_key: str | None = None
     lora_modules: list[LoRAModulePath] = field(default_factory=list)
+    # Resolver plugins to run (--lora-resolvers); None: $LORASERVE_PLUGINS, else all.
+    lora_resolvers: list[str] | None = None
     max_loras: int = 1
     eos_token_id: int | None = None
+    # The model's vocabulary (hf_config.vocab_size): token ids a request carries must
+    # be below it. None: the tokenizer's size.
+    vocab_size: int | None = None
     # Unset request fields take these (from the model's generation_config.json).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     uvicorn_log_level: str = "info"
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    trust_request_chat_template: bool = False
+    metrics_require_api_key: bool = False
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
 
 
 @dataclass
@@ -83,31 +98,9 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None
     allow_runtime_lora: bool
-
-
-class GuardMiddleware:
-    """Pure ASGI (so streaming and disconnects pass through untouched): checks the
-    API key on /v1/*, and answers 503 while the engine is gone."""
-
-    def __init__(self, app: Any, state: ServerState) -> None:
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            error = None
-            key = self.state.api_key
-            if key and scope.get("method") != "OPTIONS":
-                headers = dict(scope.get("headers") or [])
-                given = headers.get(b"authorization", b"").decode("latin-1")
-                if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                    error = APIError(401, "Invalid or missing API key.")
-            if error is None and self.state.engine.is_dead:
-                error = engine_unavailable()
-            if error is not None:
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    drain: Drain = field(default_factory=Drain)
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    metrics_require_api_key: bool = False
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -117,19 +110,27 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def run_until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+async def run_until_disconnect(request: Request, work: Awaitable[Any], drain: Drain) -> Any:
     """Run a handler, cancelling it (so its request is aborted in the engine) if
-    the client goes away first. Returns None in that case."""
+    the client goes away first; returns None then. At the shutdown deadline a
+    handler that is still busy (say, rendering a slow template) is cancelled too,
+    and its client gets a 503."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    deadline = asyncio.ensure_future(drain.expired.wait())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watcher, deadline}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
+        deadline.cancel()
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-    return None if task.cancelled() else task.result()
+    if task.cancelled():
+        if drain.expired.is_set():
+            raise shutting_down_error()
+        return None
+    return task.result()
 
 
 def _to_response(result: Any) -> Response:
@@ -148,8 +149,13 @@ def build_app(state: ServerState) -> FastAPI:
         await state.engine.shutdown()
 
     app = FastAPI(title="loraserve", version=loraserve.__version__, lifespan=lifespan)
+    app.router.route_class = StrictJSONRoute
     app.state.server = state
-    app.add_middleware(GuardMiddleware, state=state)
+    # The last added runs first: the key is checked before any body byte is read.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.max_request_body_bytes)
+    open_paths = OPEN_PATHS if state.metrics_require_api_key else OPEN_PATHS | {"/metrics"}
+    app.add_middleware(GuardMiddleware, api_key=state.api_key, drain=state.drain,
+                       engine_dead=lambda: state.engine.is_dead, open_paths=open_paths)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -160,6 +166,10 @@ def build_app(state: ServerState) -> FastAPI:
         # One line per field: a union type (like `prompt`) reports once, not per member.
         fields: dict[str, str] = {}
         for err in exc.errors():
+            if err.get("type") == "json_invalid":
+                detail = (err.get("ctx") or {}).get("error", "")
+                fields.setdefault("body", f"not valid JSON: {detail}")
+                continue
             loc = [str(p) for p in err.get("loc", ()) if p != "body"]
             fields.setdefault(loc[0] if loc else "body", str(err.get("msg")))
         message = "; ".join(f"{name}: {msg}" for name, msg in fields.items())
@@ -181,7 +191,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=503 if state.engine.is_dead else 200)
+        # 503 while draining too, so that a load balancer stops sending requests.
+        healthy = not state.engine.is_dead and not state.drain.draining
+        return Response(status_code=200 if healthy else 503)
 
     @app.get("/version")
     async def version() -> dict:
@@ -209,20 +221,22 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw_request: Request) -> Response:
         work = state.completion.create_completion(body)
-        return _to_response(await run_until_disconnect(raw_request, work))
+        return _to_response(await run_until_disconnect(raw_request, work, state.drain))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         work = state.chat.create_chat_completion(body)
-        return _to_response(await run_until_disconnect(raw_request, work))
+        return _to_response(await run_until_disconnect(raw_request, work, state.drain))
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> JSONResponse:
-        return JSONResponse((await state.tokenization.tokenize(body)).model_dump())
+    async def tokenize(body: TokenizeRequest, raw_request: Request) -> Response:
+        work = state.tokenization.tokenize(body)
+        return _to_response(await run_until_disconnect(raw_request, work, state.drain))
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
-        return JSONResponse((await state.tokenization.detokenize(body)).model_dump())
+    async def detokenize(body: DetokenizeRequest, raw_request: Request) -> Response:
+        work = state.tokenization.detokenize(body)
+        return _to_response(await run_until_disconnect(raw_request, work, state.drain))
 
     if state.allow_runtime_lora:
 
@@ -254,54 +268,56 @@ async def serve(settings: ServerSettings, tokenizer: Any) -> int:
     metrics = ServerMetrics(settings.served_model_names[0],
                             settings.max_loras if lora_enabled else None)
     engine = AsyncEngineClient(tokenizer, settings.eos_token_id, metrics)
+    request_tokenizer = RequestTokenizer(tokenizer)
     exit_code = 0
     loop = asyncio.get_running_loop()
     # Until uvicorn takes the signals over, SIGTERM cancels start-up (SIGINT already
     # does, through asyncio.run); the finally below still stops the engine.
     loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     try:
-        timeout = float(os.environ.get(ENV_ENGINE_READY_TIMEOUT, "1800"))
+        timeout = float(envs.ENGINE_READY_TIMEOUT_S.get())
         ready = await engine.start(settings.engine_kwargs, timeout)
         logger.info("engine core ready (pid %d, max_model_len %d)", ready.pid,
                     ready.max_model_len)
-        allow_runtime = env_flag(ENV_ALLOW_RUNTIME_LORA)
+        allow_runtime = envs.ALLOW_RUNTIME_LORA_UPDATING.flag()
         models = ServingModels(
             engine,
             settings.served_model_names,
             ready.model_path,
             ready.max_model_len,
-            resolvers=load_resolvers() if allow_runtime else [],
+            resolvers=load_resolvers(settings.lora_resolvers) if allow_runtime else [],
             allow_runtime_updates=allow_runtime,
         )
         await models.init_static_loras(settings.lora_modules)
-        chat = OpenAIServingChat(engine, models, tokenizer, ready.max_model_len,
-                                 settings.sampling_defaults)
+        limits = ModelLimits(ready.max_model_len, settings.vocab_size or len(tokenizer))
+        chat = OpenAIServingChat(engine, models, request_tokenizer, limits,
+                                 settings.sampling_defaults,
+                                 settings.trust_request_chat_template)
         state = ServerState(
             engine=engine,
             models=models,
-            completion=OpenAIServingCompletion(engine, models, tokenizer, ready.max_model_len,
+            completion=OpenAIServingCompletion(engine, models, request_tokenizer, limits,
                                                settings.sampling_defaults),
             chat=chat,
-            tokenization=OpenAIServingTokenization(models, chat, tokenizer,
-                                                   ready.max_model_len),
+            tokenization=OpenAIServingTokenization(models, chat, request_tokenizer, limits),
             metrics=metrics,
             api_key=settings.api_key,
             allow_runtime_lora=allow_runtime,
+            max_request_body_bytes=settings.max_request_body_bytes,
+            metrics_require_api_key=settings.metrics_require_api_key,
         )
         config = uvicorn.Config(
-            build_app(state),
-            log_level=settings.uvicorn_log_level,
-            timeout_graceful_shutdown=4,
-            timeout_keep_alive=5,
+            build_app(state), log_level=settings.uvicorn_log_level, timeout_keep_alive=5,
         )
-        server = uvicorn.Server(config)
+        server = DrainingServer(config, state.drain, settings.shutdown_timeout_s,
+                                engine.fail_all_requests)
 
         async def stop_when_engine_dies() -> None:
             nonlocal exit_code
             await engine.dead.wait()
             if server.should_exit or engine.shutting_down:
                 return
-            if env_flag(ENV_KEEP_ALIVE_ON_ENGINE_DEATH):
+            if envs.KEEP_ALIVE_ON_ENGINE_DEATH.flag():
                 logger.error("the engine core died; answering 503 until stopped")
                 return
             logger.error("the engine core died; shutting down the API server")
@@ -321,5 +337,6 @@ async def serve(settings: ServerSettings, tokenizer: Any) -> int:
         watcher.cancel()
     finally:
         await engine.shutdown()
+        request_tokenizer.shutdown()
         sock.close()
     return exit_code

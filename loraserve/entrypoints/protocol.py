@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# Every integer a request carries fits a signed 64-bit int: what torch.Generator and
+# the engine's msgpack messages take (seeds bounded as vLLM bounds them).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 def random_id(prefix: str) -> str:
@@ -14,8 +19,9 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIModel(BaseModel):
-    # Unknown fields are accepted and ignored, as OpenAI's API does.
-    model_config = ConfigDict(extra="allow")
+    # Unknown fields are accepted and ignored, as OpenAI's API does. No float field
+    # takes NaN or an infinity (JSON's 1e999 parses to one).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):
@@ -27,35 +33,35 @@ class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
+    n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extras.
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = 0
+    stop_token_ids: list[Int64] | None = None
+    min_tokens: Int64 = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool | None = False
-    best_of: int | None = None
+    best_of: Int64 | None = None
     suffix: str | None = None
 
 
@@ -67,16 +73,19 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     # vLLM's extras for the chat template.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # A Jinja template for this request only: refused unless the server runs with
+    # --trust-request-chat-template.
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -196,7 +205,7 @@ class LoadLoRAAdapterRequest(BaseModel):
 
 class UnloadLoRAAdapterRequest(BaseModel):
     lora_name: str
-    lora_int_id: int | None = None
+    lora_int_id: Int64 | None = None
 
 
 class TokenizeRequest(OpenAIModel):
@@ -207,6 +216,7 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -218,7 +228,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 class DetokenizeResponse(BaseModel):

@@ -1,11 +1,17 @@
-"""POST /v1/chat/completions: the tokenizer's chat template, then generation."""
+"""POST /v1/chat/completions: the tokenizer's chat template, then generation.
+
+Templates render through transformers, in its sandboxed Jinja environment, on the
+tokenizer's thread: a template is code, and even the sandbox does not bound how
+long it runs. A request may bring its own template only when the server is started
+with --trust-request-chat-template."""
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraserve.entrypoints.errors import bad_request, engine_unavailable
 from loraserve.entrypoints.protocol import (
@@ -23,6 +29,7 @@ from loraserve.entrypoints.protocol import (
     random_id,
 )
 from loraserve.entrypoints.serving_common import (
+    ModelLimits,
     OpenAIServing,
     TokenText,
     build_sampling_params,
@@ -34,6 +41,15 @@ from loraserve.entrypoints.serving_common import (
     sse_events,
     top_entries,
 )
+
+if TYPE_CHECKING:
+    from loraserve.engine.core_client import AsyncEngineClient
+    from loraserve.entrypoints.request_tokenizer import RequestTokenizer
+    from loraserve.entrypoints.serving_models import ServingModels
+
+# apply_chat_template's inputs that chat_template_kwargs may also pass; its other
+# parameters (tokenize, return_dict, padding ...) are the server's to set.
+_TEMPLATE_INPUTS = frozenset({"tools", "documents"})
 
 
 def _message_dict(message: Any) -> dict[str, Any]:
@@ -54,19 +70,67 @@ def _message_dict(message: Any) -> dict[str, Any]:
 
 
 class OpenAIServingChat(OpenAIServing):
-    def render_prompt(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
-        """Apply the chat template; the template itself adds any BOS token."""
-        if not request.messages:
-            raise bad_request("messages must not be empty.", param="messages")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise bad_request("This model has no chat template; use /v1/completions.")
-        messages = [_message_dict(m) for m in request.messages]
+    def __init__(
+        self,
+        engine: AsyncEngineClient,
+        models: ServingModels,
+        tokenizer: RequestTokenizer,
+        limits: ModelLimits,
+        sampling_defaults: dict[str, Any] | None = None,
+        trust_request_chat_template: bool = False,
+    ) -> None:
+        super().__init__(engine, models, tokenizer, limits, sampling_defaults)
+        self.trust_request_chat_template = trust_request_chat_template
+        signature = inspect.signature(tokenizer.hf.apply_chat_template)
+        self._reserved_kwargs = frozenset(
+            name for name, p in signature.parameters.items()
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        ) - _TEMPLATE_INPUTS
+
+    def _template_and_kwargs(
+        self, request: ChatCompletionRequest
+    ) -> tuple[str | None, dict[str, Any]]:
+        """The request's own template (None: the server's) and the template's extra
+        variables; 400 for what the request may not set."""
         kwargs = dict(request.chat_template_kwargs or {})
+        template = request.chat_template
+        if "chat_template" in kwargs:
+            template = template or kwargs["chat_template"]
+            del kwargs["chat_template"]
+        if template is not None and not self.trust_request_chat_template:
+            raise bad_request(
+                "This server does not accept a chat template in the request; start it "
+                "with --trust-request-chat-template to allow that.", param="chat_template",
+            )
+        if template is not None and not isinstance(template, str):
+            raise bad_request("chat_template must be a string.", param="chat_template")
+        reserved = sorted(self._reserved_kwargs & kwargs.keys())
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}.",
+                              param="chat_template_kwargs")
         if request.tools:
             kwargs["tools"] = request.tools
+        return template, kwargs
+
+    async def render_prompt(
+        self, request: ChatCompletionRequest, check_length: bool = True
+    ) -> tuple[str, list[int]]:
+        """Apply the chat template; the template itself adds any BOS token.
+
+        check_length: refuse a rendered prompt that certainly does not fit the
+        context before tokenizing it."""
+        if not request.messages:
+            raise bad_request("messages must not be empty.", param="messages")
+        template, kwargs = self._template_and_kwargs(request)
+        hf = self.tokenizer.hf
+        if template is None and not getattr(hf, "chat_template", None):
+            raise bad_request("This model has no chat template; use /v1/completions.")
+        messages = [_message_dict(m) for m in request.messages]
         try:
-            prompt = self.tokenizer.apply_chat_template(
+            prompt = await self.tokenizer.run(
+                hf.apply_chat_template,
                 messages,
+                chat_template=template,
                 tokenize=False,
                 add_generation_prompt=request.add_generation_prompt
                 and not request.continue_final_message,
@@ -75,7 +139,9 @@ class OpenAIServingChat(OpenAIServing):
             )
         except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
             raise bad_request(f"Could not apply the chat template: {exc}", "messages") from exc
-        ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
+        if check_length:
+            self.check_prompt_text(prompt, param="messages")
+        ids = await self.tokenizer.encode(prompt, add_special_tokens=False)
         if not ids:
             raise bad_request("The rendered prompt is empty.", param="messages")
         return prompt, ids
@@ -89,7 +155,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true.", param="top_logprobs")
         lora = await self.models.resolve(request.model)
-        prompt, ids = self.render_prompt(request)
+        prompt, ids = await self.render_prompt(request)
         if request.max_completion_tokens is not None:
             param, requested = "max_completion_tokens", request.max_completion_tokens
         else:
@@ -98,13 +164,14 @@ class OpenAIServingChat(OpenAIServing):
         if requested is None and "max_new_tokens" in self.sampling_defaults:
             max_tokens = min(max_tokens, self.sampling_defaults["max_new_tokens"])
         top_k = (request.top_logprobs or 0) if request.logprobs else None
-        params = build_sampling_params(request, max_tokens, top_k, self.sampling_defaults)
+        params = build_sampling_params(request, max_tokens, top_k, self.limits.vocab_size,
+                                       self.sampling_defaults)
         if self.engine.is_dead:
             raise engine_unavailable()
         request_id = random_id("chatcmpl")
         stream = self.engine.generate(request_id, prompt, ids, params, lora)
         model_name = request.model or self.models.base_model_name
-        token_text = TokenText(self.tokenizer, bool(request.return_tokens_as_token_ids))
+        token_text = TokenText(self.tokenizer.hf, bool(request.return_tokens_as_token_ids))
         if request.stream:
             return sse_events(
                 self._stream(request, request_id, model_name, len(ids), stream, token_text)

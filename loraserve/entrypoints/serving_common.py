@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,10 +19,29 @@ from loraserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from loraserve.engine.core_client import AsyncEngineClient
+    from loraserve.entrypoints.request_tokenizer import RequestTokenizer
     from loraserve.entrypoints.serving_models import ServingModels
 
 # vLLM's default --max-logprobs.
 MAX_LOGPROBS = 20
+# Sequences one request may ask for: n per prompt, and n times the prompts of a
+# completions request. Each one is scheduled, detokenized and answered on its own.
+MAX_N = 128
+MAX_SEQUENCES_PER_REQUEST = 1024
+# Every stop string is searched for in every new piece of text of every sequence
+# (on the event loop), every stop token id in every sampled token (in the engine).
+MAX_STOP_STRINGS = 64
+MAX_STOP_TOKEN_IDS = 1024
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request's tokens must fit: the context length and the model's
+    vocabulary (hf_config.vocab_size, the rows of its embedding, which may differ
+    from len(tokenizer))."""
+
+    max_model_len: int
+    vocab_size: int
 
 
 class OpenAIServing:
@@ -31,15 +51,26 @@ class OpenAIServing:
         self,
         engine: AsyncEngineClient,
         models: ServingModels,
-        tokenizer: Any,
-        max_model_len: int,
+        tokenizer: RequestTokenizer,
+        limits: ModelLimits,
         sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.sampling_defaults = sampling_defaults or {}
         self.engine = engine
         self.models = models
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
+        self.limits = limits
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    def check_prompt_text(self, text: str, param: str = "prompt") -> None:
+        """400 at once for a text that certainly has too many tokens, before anyone
+        spends the time and memory to tokenize it."""
+        at_least = self.tokenizer.min_tokens(text)
+        if at_least >= self.max_model_len:
+            raise context_length_exceeded(self.max_model_len, at_least, param, exact=False)
 
 
 def check_unsupported(request: SamplingFields) -> None:
@@ -47,9 +78,41 @@ def check_unsupported(request: SamplingFields) -> None:
         raise bad_request("logit_bias is not supported by this server.", param="logit_bias")
     if request.n < 1:
         raise bad_request(f"n must be at least 1, got {request.n}.", param="n")
+    if request.n > MAX_N:
+        raise bad_request(f"n must be at most {MAX_N}, got {request.n}.", param="n")
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options can only be set when stream is true.",
                           param="stream_options")
+    stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}.",
+                          param="stop")
+    if len(request.stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(
+            f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got "
+            f"{len(request.stop_token_ids)}.", param="stop_token_ids",
+        )
+
+
+def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
+    """400 naming the field and the first id that is not in the model's vocabulary."""
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(
+                f"{param} contains token id {token_id}, which is not in the model's "
+                f"vocabulary [0, {vocab_size}).", param=param,
+            )
+
+
+def context_length_exceeded(
+    max_model_len: int, prompt_len: int, param: str, exact: bool = True
+) -> APIError:
+    has = f"has {prompt_len}" if exact else f"has at least {prompt_len}"
+    return bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, your "
+        f"prompt {has} tokens. Please reduce the length of the input.",
+        param=param,
+    )
 
 
 def resolve_max_tokens(
@@ -57,10 +120,9 @@ def resolve_max_tokens(
 ) -> int:
     """The number of tokens to generate; 400 when the prompt and output do not fit."""
     if prompt_len >= max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {prompt_len} tokens. Please reduce the length of the input.",
-            param="messages" if param == "max_completion_tokens" else "prompt",
+        raise context_length_exceeded(
+            max_model_len, prompt_len,
+            "messages" if param == "max_completion_tokens" else "prompt",
         )
     if requested is None:
         return max_model_len - prompt_len
@@ -97,6 +159,7 @@ def build_sampling_params(
     request: SamplingFields,
     max_tokens: int,
     logprobs: int | None,
+    vocab_size: int,
     defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """SamplingParams from an OpenAI request; invalid values become a 400.
@@ -104,6 +167,7 @@ def build_sampling_params(
     A field the request leaves unset takes the model's default (`defaults`), then
     OpenAI's."""
     defaults = defaults or {}
+    check_token_ids(request.stop_token_ids or [], vocab_size, "stop_token_ids")
 
     def pick(name: str, fallback: Any) -> Any:
         value = getattr(request, name)
@@ -135,7 +199,9 @@ def build_sampling_params(
     try:
         return SamplingParams(**fields)
     except (ValueError, TypeError) as exc:
-        raise bad_request(str(exc)) from exc
+        # SamplingParams' messages start with the field they are about.
+        name = str(exc).split(" ", 1)[0]
+        raise bad_request(str(exc), param=name if name in fields else None) from exc
 
 
 class TokenText:

@@ -17,10 +17,13 @@ from loraserve.entrypoints.protocol import (
     random_id,
 )
 from loraserve.entrypoints.serving_common import (
+    MAX_SEQUENCES_PER_REQUEST,
     OpenAIServing,
     TokenText,
     build_sampling_params,
+    check_token_ids,
     check_unsupported,
+    context_length_exceeded,
     final_outputs,
     finish_error,
     merge_streams,
@@ -32,7 +35,9 @@ from loraserve.entrypoints.serving_common import (
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def _prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    async def _prompts(
+        self, request: CompletionRequest
+    ) -> list[tuple[str | None, list[int]]]:
         """(text, token ids) for each prompt of the request."""
         prompt = request.prompt
         if isinstance(prompt, str):
@@ -43,17 +48,28 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(prompt)
         if not items:
             raise bad_request("prompt must not be empty.", param="prompt")
-        vocab = len(self.tokenizer)
+        if len(items) * request.n > MAX_SEQUENCES_PER_REQUEST:
+            raise bad_request(
+                f"A request makes at most {MAX_SEQUENCES_PER_REQUEST} sequences; "
+                f"{len(items)} prompts with n={request.n} make {len(items) * request.n}.",
+                param="prompt",
+            )
+        # Every prompt is checked before any is tokenized: a bad one fails fast.
+        for item in items:
+            if isinstance(item, str):
+                self.check_prompt_text(item)
+            else:
+                check_token_ids(item, self.limits.vocab_size, "prompt")
+                if len(item) >= self.max_model_len:
+                    raise context_length_exceeded(self.max_model_len, len(item), "prompt")
         prompts = []
         for item in items:
             if isinstance(item, str):
-                ids = self.tokenizer(item).input_ids
                 text: str | None = item
+                ids = await self.tokenizer.encode(item)
             else:
                 ids = list(item)
-                if any(not 0 <= t < vocab for t in ids):
-                    raise bad_request(f"prompt token ids must be in [0, {vocab}).", "prompt")
-                text = self.tokenizer.decode(ids)
+                text = await self.tokenizer.decode(ids) if ids else ""
             if not ids:
                 raise bad_request("prompt must not be empty.", param="prompt")
             prompts.append((text, ids))
@@ -70,12 +86,13 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo and request.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported.", param="echo")
         lora = await self.models.resolve(request.model)
-        prompts = self._prompts(request)
+        prompts = await self._prompts(request)
         params = [
             build_sampling_params(
                 request,
                 resolve_max_tokens(request.max_tokens, len(ids), self.max_model_len),
                 request.logprobs,
+                self.limits.vocab_size,
                 self.sampling_defaults,
             )
             for _, ids in prompts
@@ -88,7 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for i, ((text, ids), p) in enumerate(zip(prompts, params, strict=True))
         ]
         model_name = request.model or self.models.base_model_name
-        token_text = TokenText(self.tokenizer, bool(request.return_tokens_as_token_ids))
+        token_text = TokenText(self.tokenizer.hf, bool(request.return_tokens_as_token_ids))
         if request.stream:
             return sse_events(
                 self._stream(request, request_id, model_name, prompts, streams, token_text)

@@ -3,8 +3,6 @@ server would use for a prompt or a chat, and text for token ids."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from loraserve.entrypoints.errors import bad_request
 from loraserve.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -13,18 +11,21 @@ from loraserve.entrypoints.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from loraserve.entrypoints.request_tokenizer import RequestTokenizer
 from loraserve.entrypoints.serving_chat import OpenAIServingChat
+from loraserve.entrypoints.serving_common import ModelLimits, check_token_ids
 from loraserve.entrypoints.serving_models import ServingModels
 
 
 class OpenAIServingTokenization:
     def __init__(
-        self, models: ServingModels, chat: OpenAIServingChat, tokenizer: Any, max_model_len: int
+        self, models: ServingModels, chat: OpenAIServingChat, tokenizer: RequestTokenizer,
+        limits: ModelLimits,
     ) -> None:
         self.models = models
         self.chat = chat
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
+        self.limits = limits
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         await self.models.resolve(request.model)  # 404 for an unknown name
@@ -35,18 +36,21 @@ class OpenAIServingTokenization:
                 messages=request.messages,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
+                chat_template=request.chat_template,
                 chat_template_kwargs=request.chat_template_kwargs,
             )
-            _, ids = self.chat.render_prompt(chat)
+            # Counted whatever its length, as for a prompt.
+            _, ids = await self.chat.render_prompt(chat, check_length=False)
         else:
             add_special = True if request.add_special_tokens is None else \
                 request.add_special_tokens
-            ids = self.tokenizer(request.prompt, add_special_tokens=add_special).input_ids
-        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids)
+            ids = await self.tokenizer.encode(request.prompt, add_special_tokens=add_special)
+        return TokenizeResponse(count=len(ids), max_model_len=self.limits.max_model_len,
+                                tokens=ids)
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         await self.models.resolve(request.model)
-        vocab = len(self.tokenizer)
-        if any(not 0 <= t < vocab for t in request.tokens):
-            raise bad_request(f"token ids must be in [0, {vocab}).", param="tokens")
-        return DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))
+        # Ids the model can produce, and ids of tokens added past its embedding.
+        known = max(self.limits.vocab_size, len(self.tokenizer.hf))
+        check_token_ids(request.tokens, known, "tokens")
+        return DetokenizeResponse(prompt=await self.tokenizer.decode(request.tokens))

@@ -23,13 +23,14 @@ import os
 from collections.abc import Callable, Iterable, KeysView
 from importlib.metadata import EntryPoint, entry_points
 
+from loraserve import envs
 from loraserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "loraserve.lora_resolvers"
 # Comma-separated names of the plugins to run; unset: every installed one.
-ENV_PLUGINS = "LORASERVE_PLUGINS"
+ENV_PLUGINS = envs.PLUGINS.name
 
 # The resolvers that ship with loraserve, run first and in this order. They are
 # found even from a checkout whose entry points were never installed.
@@ -97,9 +98,9 @@ def plugin_entry_points() -> list[EntryPoint]:
 
 def selected_plugin_names() -> list[str] | None:
     """The plugin names in LORASERVE_PLUGINS; None when it is unset (all plugins)."""
-    value = os.environ.get(ENV_PLUGINS)
-    if value is None:
+    if not envs.PLUGINS.is_set():
         return None
+    value = os.environ[ENV_PLUGINS]
     return [name.strip() for name in value.split(",") if name.strip()]
 
 

@@ -11,10 +11,11 @@ import json
 import os
 from pathlib import Path
 
+from loraserve import envs
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.resolver import LoRAResolver
 
-ENV_CACHE_DIR = "LORASERVE_LORA_RESOLVER_CACHE_DIR"
+ENV_CACHE_DIR = envs.LORA_RESOLVER_CACHE_DIR.name
 
 
 def is_lora_dir(path: Path) -> bool:
@@ -70,7 +71,7 @@ class FilesystemResolver(LoRAResolver):
 
 def create_resolver() -> FilesystemResolver | None:
     """Entry point: active only when the cache folder is configured and exists."""
-    cache_dir = os.environ.get(ENV_CACHE_DIR)
+    cache_dir = envs.LORA_RESOLVER_CACHE_DIR.get()
     if not cache_dir:
         return None
     if not Path(cache_dir).is_dir():

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from pathlib import Path
 
+from loraserve import envs
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.resolver import LoRAResolver
 from loraserve.lora.resolvers.filesystem import adapter_request
 
 logger = logging.getLogger(__name__)
 
-ENV_REPO_LIST = "LORASERVE_LORA_RESOLVER_HF_REPO_LIST"
+ENV_REPO_LIST = envs.LORA_RESOLVER_HF_REPO_LIST.name
 
 
 def _download(repo_id: str, subfolder: str) -> str:
@@ -61,5 +61,5 @@ class HFHubResolver(LoRAResolver):
 
 def create_resolver() -> HFHubResolver | None:
     """Entry point: active only when the allow-list is set."""
-    repos = [r.strip() for r in os.environ.get(ENV_REPO_LIST, "").split(",") if r.strip()]
+    repos = [r.strip() for r in envs.LORA_RESOLVER_HF_REPO_LIST.get().split(",") if r.strip()]
     return HFHubResolver(repos) if repos else None

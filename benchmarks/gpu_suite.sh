@@ -1,45 +1,54 @@
 #!/usr/bin/env bash
-# One device call: the stages named in STAGES (run in the order listed below) on
-# the Llama-3-8B shape with dummy weights.
-# Usage (device tool, carry .devwheels):
-#   STAGES="tune tests profile decode32" bash benchmarks/gpu_session.sh
+# Runs the GPU tests and the benchmarks of benchmarks/RESULTS.md on a CUDA machine, on the
+# Llama-3-8B shape with dummy weights (no download). Run from the repository root:
+#
+#   STAGES="tests offline decode32" bash benchmarks/gpu_suite.sh
+#
+# Every stage writes its log and JSON under RESULTS_DIR (default gpu_results/). Settings:
+#   STAGES       the stages to run, from the list below (default "tests offline decode32");
+#                they run in the order listed here, whatever the order in STAGES
+#   RESULTS_DIR  where the results go (default gpu_results)
+#   ARCHIVE      also pack RESULTS_DIR into this .tgz at the end (e.g. for a machine that
+#                hands back only a few files)
+#   WHEELS       a folder of wheels to install first into a private site folder, for a
+#                machine without network access (e.g. WHEELS=.devwheels)
 # Stages:
 #   tune      tune LoRA kernel configs (TUNE_CLASSES, TUNE_TOKENS) into the table
 #   dense     tune the decode GEMM against cuBLAS (tune_dense.py, DENSE_TOKENS, DENSE_BUDGET)
 #             into the table
-#   tests     the gpu-marked tests (after tune: they run on the table it wrote)
+#   tests     the GPU tests (after tune: they run on the table it wrote; TEST_FILES)
 #   layer     LoRA cost per linear layer class (lora_layer.py)
 #   attention decode attention alone, tilings and split counts side by side
 #             (attention.py --sweep; ATTN_ARGS, e.g. "--batches 1 4 --splits 8 16 32")
 #   profile   where a batch-32 decode step's time goes (profile_decode.py)
-#   variants  a decode step's graph replay for variants of the decode path, side by side,
-#             and its kernel timeline (decode_variants.py; VARIANTS, VARIANT_BATCH (32),
-#             VARIANT_CONTEXT)
 #   decode32  base decode at batch 32 (offline.py --decode-rate; DECODE_REPEATS runs, the
-#             median), and the same through PEFT
+#             median), and the same through transformers (PEFT=1, the default)
 #   timeline  where the batch-32 decode run's wall time goes: host, prefill, decode steps,
 #             device idle between them (run_timeline.py)
 #   offprof   where the offline run's LoRA overhead goes: prefill vs decode, GPU time by
 #             kernel kind (profile_offline.py)
 #   offline   LoRA vs base offline throughput, 32 rank-16 adapters, 256 requests
-#             (OFFLINE_REPEATS alternating base/LoRA runs in one process, default 3)
+#             (OFFLINE_REPEATS alternating base/LoRA runs in one process, default 3;
+#             OFFLINE_RUNS whole runs, each in a fresh process)
 #   startup   graph capture time and memory, LoRA vs base (startup.py; PROFILE_STARTUP=1
 #             adds a cProfile of each start, which slows the host side)
 #   firstuse  the Triton compiles on requests' paths after start-up, LoRA engine as served
 #             (first_use.py)
 #   serve     a LoRA server; ITL at batch 1 and 64 with and without LoRA, and the
 #             fixed-rate serving benchmark with 8 and 64 adapters under --max-loras 8
+#             (SERVE_BENCHES picks some of them by name, RATE sets the request rate)
 set -uo pipefail
-# The device returns at most 8 files: everything goes under /tmp/gpu_session_out and comes back
-# packed as $OUT/results.tgz.
-FINAL_OUT=$OUT
-OUT=/tmp/gpu_session_out
+OUT=${RESULTS_DIR:-gpu_results}
 mkdir -p "$OUT"
-pack() { tar czf "$FINAL_OUT/results.tgz" -C "$OUT" .; }
+OUT=$(cd "$OUT" && pwd)
+pack() { if [ -n "${ARCHIVE:-}" ]; then tar czf "$ARCHIVE" -C "$OUT" .; fi; }
 trap pack EXIT
 STAGES=${STAGES:-"tests offline decode32"}
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devwheels/*.whl
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 LORASERVE_NO_PROGRESS=1
+if [ -n "${WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 LORASERVE_NO_PROGRESS=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/machine.txt"
 MODEL=/tmp/bench/llama3-8b-shape
@@ -95,7 +104,7 @@ if has attention; then
   echo "attention rc=$?" >> "$OUT/attention.log"
 fi
 
-if has profile || has variants || has decode32 || has timeline || has offprof || has offline || has startup || has firstuse || has serve; then
+if has profile || has decode32 || has timeline || has offprof || has offline || has startup || has firstuse || has serve; then
   stamp setup
   # The serving runs pick from 64 adapters; the offline runs use the first 32.
   python3 benchmarks/make_bench_setup.py --out /tmp/bench \
@@ -110,35 +119,15 @@ if has profile; then
   echo "profile rc=$?" >> "$OUT/profile.log"
 fi
 
-if has variants; then
-  stamp variants
-  (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 decode_variants.py --model $MODEL \
-      --load-format dummy --batch "${VARIANT_BATCH:-32}" --context "${VARIANT_CONTEXT:-320}" \
-      ${VARIANTS:+--variants $VARIANTS} \
-      --json "$OUT/variants.json" --md "$OUT/variants.md") > "$OUT/variants.log" 2>&1
-  echo "variants rc=$?" >> "$OUT/variants.log"
-fi
-
 if has decode32; then
   stamp decode32
-  # Short prompts, long outputs: nearly every step is a batch-32 decode. Then the same
-  # run with parts of this path changed (DECODE_VARIANTS): "nopdl" launches every kernel
-  # plainly, "cublas" also puts every linear layer on cuBLAS.
-  for variant in default ${DECODE_VARIANTS:-}; do
-    case $variant in
-      default) switches="" ;;
-      nopdl) switches="LORASERVE_PDL=0" ;;
-      cublas) switches="LORASERVE_PDL=0 LORASERVE_DECODE_GEMM=cublas" ;;
-      *) echo "unknown decode variant $variant" >> "$OUT/stages.log"; continue ;;
-    esac
-    suffix=$([ "$variant" = default ] && echo "" || echo "_$variant")
-    env $switches timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/offline.py \
-        --model $MODEL --load-format dummy --num-requests 32 \
-        --max-num-seqs 32 --input-len 64 --output-len 512 --decode-rate \
-        --repeats "${DECODE_REPEATS:-1}" \
-        --json "$OUT/decode32$suffix.json" > "$OUT/decode32$suffix.log" 2>&1
-    echo "decode32 $variant rc=$?" >> "$OUT/decode32$suffix.log"
-  done
+  # Short prompts, long outputs: nearly every step is a batch-32 decode.
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/offline.py \
+      --model $MODEL --load-format dummy --num-requests 32 \
+      --max-num-seqs 32 --input-len 64 --output-len 512 --decode-rate \
+      --repeats "${DECODE_REPEATS:-1}" \
+      --json "$OUT/decode32.json" > "$OUT/decode32.log" 2>&1
+  echo "decode32 rc=$?" >> "$OUT/decode32.log"
   if [ "${PEFT:-1}" = 1 ]; then
     (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 peft_baseline.py --model $MODEL \
         --num-requests 32 --batch-size 32 --input-len 64 --output-len 512 --no-lora \
@@ -162,7 +151,6 @@ if has offprof; then
 fi
 
 if has offline; then
-  # OFFLINE_RUNS > 1 repeats the whole run (each in a fresh process): its spread.
   for i in $(seq "${OFFLINE_RUNS:-1}"); do
     stamp "offline $i"
     suffix=$([ "$i" = 1 ] && echo "" || echo "_$i")
