@@ -316,15 +316,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from loraserve.entrypoints.api_server import ServerSettings, serve
     from loraserve.entrypoints.serving_common import load_sampling_defaults
 
-    engine_kwargs = engine_kwargs_from_args(args)
+    # Built and checked once, here (a built-in model or a Hub repo is resolved once
+    # too); the engine process gets this object as it is.
     try:
-        config = EngineConfig.from_kwargs(**engine_kwargs)
+        config = EngineConfig.from_kwargs(**engine_kwargs_from_args(args))
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
-    # The engine process gets the resolved paths, so that a built-in model or a Hub
-    # repo is resolved (and downloaded or converted) once, here.
-    engine_kwargs["model"] = config.model_config.model
-    engine_kwargs["tokenizer"] = config.model_config.tokenizer
     tokenizer = load_tokenizer(config)
     if args.chat_template:
         with open(args.chat_template) as f:
@@ -340,16 +337,14 @@ def run_serve(args: argparse.Namespace) -> int:
             "default sampling parameters from generation_config.json: %s", sampling_defaults
         )
     settings = ServerSettings(
-        engine_kwargs=engine_kwargs,
+        engine_config=config,
         served_model_names=args.served_model_name or [args.model],
         host=args.host,
         port=args.port,
         api_key=args.api_key or envs.API_KEY.get() or None,
         lora_modules=args.lora_modules or [],
         lora_resolvers=args.lora_resolvers,
-        max_loras=args.max_loras,
         eos_token_id=eos_token_id(tokenizer, config.model_config.hf_config),
-        vocab_size=config.model_config.hf_config.vocab_size,
         sampling_defaults=sampling_defaults,
         uvicorn_log_level=args.uvicorn_log_level,
         max_request_body_bytes=args.max_request_body_bytes,

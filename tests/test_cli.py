@@ -134,3 +134,24 @@ def test_bad_startup_adapter_stops_everything(llama_dir, tmp_path):
     assert proc.returncode == 1
     assert "bad" in stderr and "Traceback" not in stderr
     assert descendants(proc.pid) == []
+
+
+def test_the_engine_process_gets_the_config_the_cli_built(llama_dir):
+    """`serve` checks the flags into one EngineConfig and the engine process gets that
+    object as it is (spawn pickles it), not keyword arguments to validate again."""
+    import inspect
+    import pickle
+
+    from loraserve.config import EngineConfig
+    from loraserve.engine.core_proc import run_engine_core
+
+    args = parse(str(llama_dir), "--enable-lora", "--max-loras", "2", "--max-num-seqs", "4")
+    config = EngineConfig.from_kwargs(**engine_kwargs_from_args(args))
+    copy = pickle.loads(pickle.dumps(config))
+    assert copy.model_config.model == config.model_config.model
+    assert copy.model_config.hf_config.to_dict() == config.model_config.hf_config.to_dict()
+    assert copy.lora_config == config.lora_config and copy.lora_config.max_loras == 2
+    assert copy.scheduler_config == config.scheduler_config
+    assert copy.device == config.device and copy.model_config.dtype == config.model_config.dtype
+    first = next(iter(inspect.signature(run_engine_core).parameters.values()))
+    assert first.annotation in (EngineConfig, "EngineConfig")

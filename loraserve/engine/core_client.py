@@ -26,7 +26,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -47,6 +47,9 @@ from loraserve.engine.utility import (
 from loraserve.lora.request import LoRARequest
 from loraserve.metrics import ServerMetrics
 from loraserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from loraserve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +118,7 @@ class AsyncEngineClient:
 
     # -- life cycle ---------------------------------------------------------------
 
-    async def start(self, engine_kwargs: dict[str, Any], timeout_s: float) -> EngineReady:
+    async def start(self, config: EngineConfig, timeout_s: float) -> EngineReady:
         """Start the engine process and wait until it has loaded the model."""
         from loraserve.engine.output_processor import OutputProcessor
 
@@ -124,7 +127,7 @@ class AsyncEngineClient:
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(
             target=run_engine_core,
-            args=(engine_kwargs, self._input_addr, self._output_addr, os.getpid()),
+            args=(config, self._input_addr, self._output_addr, os.getpid()),
             name="loraserve-engine-core",
         )
         self._proc.start()

@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 import zmq
@@ -39,6 +39,9 @@ from loraserve.engine.utility import (
     encode,
 )
 from loraserve.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    from loraserve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +274,7 @@ class EngineCoreProc:
 
 
 def run_engine_core(
-    engine_kwargs: dict[str, Any], input_addr: str, output_addr: str, parent_pid: int
+    config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int
 ) -> None:
     """Process entry point (multiprocessing target)."""
     _die_with_parent()
@@ -302,9 +305,6 @@ def run_engine_core(
         if os.getppid() != parent_pid:
             return
         try:
-            from loraserve.config import EngineConfig
-
-            config = EngineConfig.from_kwargs(**engine_kwargs)
             from loraserve.engine.engine_core import EngineCore
 
             core = EngineCore(config)

@@ -16,7 +16,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import uvicorn
@@ -60,13 +60,17 @@ from loraserve.entrypoints.shutdown import (
 from loraserve.lora.resolver import load_resolvers
 from loraserve.metrics import CONTENT_TYPE, ServerMetrics
 
+if TYPE_CHECKING:
+    from loraserve.config import EngineConfig
+
 logger = logging.getLogger("loraserve.api_server")
 
 @dataclass
 class ServerSettings:
-    """Everything `loraserve serve` needs besides the engine's own kwargs."""
+    """Everything `loraserve serve` needs: the engine's config, validated once and
+    handed to the engine process as it is, and the API server's own settings."""
 
-    engine_kwargs: dict[str, Any]
+    engine_config: EngineConfig
     served_model_names: list[str]
     host: str | None = None
     port: int = 8000
@@ -74,11 +78,7 @@ class ServerSettings:
     lora_modules: list[LoRAModulePath] = field(default_factory=list)
     # Resolver plugins to run (--lora-resolvers); None: $LORASERVE_PLUGINS, else all.
     lora_resolvers: list[str] | None = None
-    max_loras: int = 1
     eos_token_id: int | None = None
-    # The model's vocabulary (hf_config.vocab_size): token ids a request carries must
-    # be below it. None: the tokenizer's size.
-    vocab_size: int | None = None
     # Unset request fields take these (from the model's generation_config.json).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     uvicorn_log_level: str = "info"
@@ -264,9 +264,9 @@ def bind_socket(host: str | None, port: int) -> socket.socket:
 async def serve(settings: ServerSettings, tokenizer: Any) -> int:
     """Run the server until a signal or the engine's death; returns the exit code."""
     sock = bind_socket(settings.host, settings.port)
-    lora_enabled = bool(settings.engine_kwargs.get("enable_lora"))
+    lora_config = settings.engine_config.lora_config
     metrics = ServerMetrics(settings.served_model_names[0],
-                            settings.max_loras if lora_enabled else None)
+                            lora_config.max_loras if lora_config else None)
     engine = AsyncEngineClient(tokenizer, settings.eos_token_id, metrics)
     request_tokenizer = RequestTokenizer(tokenizer)
     exit_code = 0
@@ -276,7 +276,7 @@ async def serve(settings: ServerSettings, tokenizer: Any) -> int:
     loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     try:
         timeout = float(envs.ENGINE_READY_TIMEOUT_S.get())
-        ready = await engine.start(settings.engine_kwargs, timeout)
+        ready = await engine.start(settings.engine_config, timeout)
         logger.info("engine core ready (pid %d, max_model_len %d)", ready.pid,
                     ready.max_model_len)
         allow_runtime = envs.ALLOW_RUNTIME_LORA_UPDATING.flag()
@@ -289,7 +289,10 @@ async def serve(settings: ServerSettings, tokenizer: Any) -> int:
             allow_runtime_updates=allow_runtime,
         )
         await models.init_static_loras(settings.lora_modules)
-        limits = ModelLimits(ready.max_model_len, settings.vocab_size or len(tokenizer))
+        # Token ids a request carries must be below the model's vocabulary, which the
+        # tokenizer's length need not equal.
+        vocab_size = settings.engine_config.model_config.hf_config.vocab_size
+        limits = ModelLimits(ready.max_model_len, vocab_size)
         chat = OpenAIServingChat(engine, models, request_tokenizer, limits,
                                  settings.sampling_defaults,
                                  settings.trust_request_chat_template)
