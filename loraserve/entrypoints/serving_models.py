@@ -79,6 +79,8 @@ class ServingModels:
             except EngineUtilityError as exc:
                 raise ValueError(f"--lora-modules {module.name}={module.path}: {exc}") from exc
             self.loras[module.name] = request
+            logger.info("LoRA adapter %s loaded from %s%s", module.name, module.path,
+                        " (pinned)" if module.pinned else "")
 
     async def resolve(self, model: str | None) -> LoRARequest | None:
         """The LoRARequest for a request's model field; None for the base model."""
