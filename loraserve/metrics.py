@@ -128,11 +128,9 @@ class ServerMetrics:
             Histogram, "e2e_request_latency_seconds",
             "Histogram of end-to-end request latency in seconds.", buckets=_LATENCY_BUCKETS,
         )
-        self._resident: set[tuple[str, str]] = set()
         self._loaded: set[tuple[str, str, str]] = set()
         self._preemptions_seen = 0
         self.lora_info: Gauge | None = None
-        self.lora_resident: Gauge | None = None
         if max_loras is None:
             return
         # The value is the time of the update, so a LoRA-aware router takes the
@@ -142,12 +140,6 @@ class ServerMetrics:
             "Running stats on LoRA requests.",
             ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
             registry=reg,
-        )
-        self.lora_resident = Gauge(
-            PREFIX + "lora_adapter_resident",
-            "1 while the adapter is held at this level (gpu: a device slot, cpu: the "
-            "CPU cache).",
-            ["adapter", "level"], registry=reg,
         )
         # One series per adapter, at the fastest level that holds it: a router prefers
         # a replica where the adapter is on the device, then one where it is in CPU
@@ -190,14 +182,6 @@ class ServerMetrics:
             waiting_lora_adapters=",".join(stats.waiting_lora_adapters),
             running_lora_adapters=",".join(stats.running_lora_adapters),
         ).set(time.time())
-        resident = {(name, "gpu") for name in stats.gpu_lora_adapters}
-        resident |= {(name, "cpu") for name in stats.cpu_lora_adapters}
-        for adapter, level in self._resident - resident:
-            self.lora_resident.remove(adapter, level)
-        for adapter, level in resident:
-            self.lora_resident.labels(adapter=adapter, level=level).set(1)
-        self._resident = resident
-
         on_gpu, pinned = set(stats.gpu_lora_adapters), set(stats.pinned_lora_adapters)
         loaded = {
             (name, "gpu" if name in on_gpu else "cpu", "true" if name in pinned else "false")

@@ -59,9 +59,9 @@ def test_scheduler_stats_feed_the_gauges():
     assert info[0].labels == {"max_lora": "2", "running_lora_adapters": "a,b",
                               "waiting_lora_adapters": "c"}
     assert info[0].value >= before
-    resident = {(s.labels["adapter"], s.labels["level"])
-                for s in found["loraserve:lora_adapter_resident"].samples}
-    assert resident == {("a", "gpu"), ("b", "gpu"), ("a", "cpu"), ("b", "cpu"), ("c", "cpu")}
+    loaded = {(s.labels["adapter_name"], s.labels["level"])
+              for s in found["loraserve:lora_adapter_loaded"].samples}
+    assert loaded == {("a", "gpu"), ("b", "gpu"), ("c", "cpu")}
 
 
 def test_residency_follows_evictions_and_preemptions_count_once():
@@ -71,9 +71,9 @@ def test_residency_follows_evictions_and_preemptions_count_once():
     metrics.record_stats(SchedulerStats(gpu_lora_adapters=["b"], cpu_lora_adapters=["b"],
                                         num_preemptions=2))
     found = families(metrics)
-    resident = {(s.labels["adapter"], s.labels["level"])
-                for s in found["loraserve:lora_adapter_resident"].samples}
-    assert resident == {("b", "gpu"), ("b", "cpu")}
+    loaded = {(s.labels["adapter_name"], s.labels["level"])
+              for s in found["loraserve:lora_adapter_loaded"].samples}
+    assert loaded == {("b", "gpu")}
     total = [s for s in found["loraserve:num_preemptions"].samples if s.name.endswith("_total")]
     assert total[0].value == 2
 

@@ -304,17 +304,17 @@ def test_metrics_parse_and_cover_the_issue(server, client):
         "loraserve:num_requests_waiting", "loraserve:prompt_tokens",
         "loraserve:generation_tokens", "loraserve:time_to_first_token_seconds",
         "loraserve:inter_token_latency_seconds", "loraserve:e2e_request_latency_seconds",
-        "loraserve:kv_cache_usage_perc", "loraserve:lora_adapter_resident",
+        "loraserve:kv_cache_usage_perc", "loraserve:lora_adapter_loaded",
     ]:
         assert name in families, name
     info = families["loraserve:lora_requests_info"].samples
     assert {s.labels["max_lora"] for s in info} == {"1"}
     latest = max(info, key=lambda s: s.value)
     assert latest.value > time.time() - 3600
-    resident = {(s.labels["adapter"], s.labels["level"])
-                for s in families["loraserve:lora_adapter_resident"].samples}
-    assert {("sql", "cpu"), ("poet", "cpu")} <= resident
-    assert sum(1 for _, level in resident if level == "gpu") <= 1
+    loaded = {s.labels["adapter_name"]: s.labels["level"]
+              for s in families["loraserve:lora_adapter_loaded"].samples}
+    assert {"sql", "poet"} <= set(loaded)
+    assert sum(1 for level in loaded.values() if level == "gpu") <= 1
     ttft = [s for s in families["loraserve:time_to_first_token_seconds"].samples
             if s.name.endswith("_count")]
     assert ttft and ttft[0].value > 0
