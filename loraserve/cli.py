@@ -79,6 +79,21 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _string_list(text: str) -> list[str]:
+    """vLLM's form, a JSON list of strings ('["https://a.example", ...]'), or a
+    comma-separated list."""
+    text = text.strip()
+    if text.startswith(("[", "{")):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"invalid JSON list: {exc}") from exc
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text}")
+        return value
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def _add_serve_parser(subparsers: Any) -> None:
     serve = subparsers.add_parser(
         "serve",
@@ -142,9 +157,74 @@ def _add_serve_parser(subparsers: Any) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="Log level of uvicorn.",
     )
+    log_requests = server.add_mutually_exclusive_group()
+    log_requests.add_argument(
+        "--enable-log-requests", action="store_true",
+        help="Log one line per request: its id, model, prompt length and sampling "
+        "parameters (never the prompt's text). Off by default.",
+    )
+    log_requests.add_argument(
+        "--disable-log-requests", action="store_true",
+        help="Accepted for compatibility with vLLM; requests are not logged unless "
+        "--enable-log-requests is given, so it changes nothing.",
+    )
+    server.add_argument(
+        "--allowed-origins", type=_string_list, default=None, metavar="LIST",
+        help='CORS: origins allowed, as a JSON list (\'["https://a.example"]\') or '
+        "comma-separated (default: any, \"*\").",
+    )
+    server.add_argument(
+        "--allowed-methods", type=_string_list, default=None, metavar="LIST",
+        help="CORS: HTTP methods allowed (default: any).",
+    )
+    server.add_argument(
+        "--allowed-headers", type=_string_list, default=None, metavar="LIST",
+        help="CORS: request headers allowed (default: any).",
+    )
+    server.add_argument(
+        "--allow-credentials", action="store_true",
+        help="CORS: allow credentials (cookies, Authorization) in cross-origin requests.",
+    )
+    server.add_argument(
+        "--root-path", default=None,
+        help="The path prefix a reverse proxy serves the API under (FastAPI's root_path), "
+        "e.g. /loraserve; the routes themselves stay where they are.",
+    )
+    server.add_argument("--ssl-keyfile", default=None, help="Serve HTTPS with this key file.")
+    server.add_argument(
+        "--ssl-certfile", default=None, help="Serve HTTPS with this certificate file."
+    )
+    server.add_argument(
+        "--ssl-ca-certs", default=None, help="CA certificates to check client certificates with."
+    )
+    server.add_argument(
+        "--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+        help="Client certificates: 0 not asked for, 1 optional, 2 required "
+        "(Python's ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED).",
+    )
 
     engine = serve.add_argument_group("Engine")
     engine.add_argument("--tokenizer", default=None, help="Tokenizer folder (default: MODEL).")
+    engine.add_argument(
+        "--revision", default=None,
+        help="Branch, tag or commit of a Hub repo MODEL (refused for a local folder or a "
+        "built-in model).",
+    )
+    engine.add_argument(
+        "--tokenizer-revision", default=None,
+        help="Branch, tag or commit of a Hub repo tokenizer (default: --revision).",
+    )
+    engine.add_argument(
+        "--download-dir", default=None,
+        help="Hugging Face Hub cache folder to download a Hub repo MODEL or tokenizer "
+        "into (default: the Hub's own cache).",
+    )
+    engine.add_argument(
+        "--trust-remote-code", action="store_true",
+        help="Let transformers run code that a model's config or tokenizer ships (a "
+        "tokenizer that needs it then loads). The model always runs loraserve's own "
+        "implementation: no model code from the repo runs.",
+    )
     engine.add_argument(
         "--dtype", default="auto",
         choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
@@ -184,6 +264,11 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="Schedule and launch each step before the previous step's tokens are back on "
         "the host, so scheduling overlaps the GPU (default: on). Steps with requests that "
         "use repetition, frequency or presence penalties wait for them as before.",
+    )
+    engine.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+        help="Reuse the KV cache blocks of a prompt prefix that an earlier request "
+        "(with the same adapter, or none) computed (default: on).",
     )
     engine.add_argument("--seed", type=int, default=0, help="Random seed (default: 0).")
     engine.add_argument(
@@ -261,6 +346,11 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "max_cpu_loras": args.max_cpu_loras,
         "lora_dtype": args.lora_dtype,
         "lora_target_modules": args.lora_target_modules,
+        "trust_remote_code": args.trust_remote_code,
+        "revision": args.revision,
+        "tokenizer_revision": args.tokenizer_revision,
+        "download_dir": args.download_dir,
+        "enable_prefix_caching": args.enable_prefix_caching,
     }
     return {k: v for k, v in kwargs.items() if v is not None}
 
@@ -308,12 +398,34 @@ def validate_serve_args(args: argparse.Namespace) -> None:
         raise CLIError(f"--generation-config {args.generation_config!r} is not a folder")
     if args.chat_template and not os.path.isfile(args.chat_template):
         raise CLIError(f"--chat-template {args.chat_template!r} is not a file")
+    _validate_tls_args(args)
+    if args.root_path is not None and args.root_path and not args.root_path.startswith("/"):
+        raise CLIError(f"--root-path must start with '/', got {args.root_path!r}")
+
+
+def _validate_tls_args(args: argparse.Namespace) -> None:
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise CLIError("--ssl-keyfile and --ssl-certfile go together: HTTPS needs both")
+    if not args.ssl_certfile and (args.ssl_ca_certs or args.ssl_cert_reqs):
+        raise CLIError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile and "
+                       "--ssl-keyfile")
+    if args.ssl_cert_reqs and not args.ssl_ca_certs:
+        raise CLIError("--ssl-cert-reqs asks for client certificates: it needs "
+                       "--ssl-ca-certs to check them with")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile",
+                       args.ssl_certfile), ("--ssl-ca-certs", args.ssl_ca_certs)):
+        if path and not os.path.isfile(path):
+            raise CLIError(f"{flag} {path!r} is not a file")
+
+
+def _or_any(values: list[str] | None) -> list[str]:
+    return ["*"] if values is None else values
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from loraserve.config import EngineConfig
     from loraserve.engine.tokenizer import eos_token_id, load_tokenizer
-    from loraserve.entrypoints.api_server import ServerSettings, serve
+    from loraserve.entrypoints.api_server import CORSPolicy, ServerSettings, serve
     from loraserve.entrypoints.serving_common import load_sampling_defaults
 
     # Built and checked once, here (a built-in model or a Hub repo is resolved once
@@ -339,6 +451,7 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         engine_config=config,
         served_model_names=args.served_model_name or [args.model],
+        model=args.model,
         host=args.host,
         port=args.port,
         api_key=args.api_key or envs.API_KEY.get() or None,
@@ -351,6 +464,18 @@ def run_serve(args: argparse.Namespace) -> int:
         trust_request_chat_template=args.trust_request_chat_template,
         metrics_require_api_key=args.metrics_require_api_key,
         shutdown_timeout_s=args.shutdown_timeout,
+        log_requests=args.enable_log_requests,
+        cors=CORSPolicy(
+            allow_origins=_or_any(args.allowed_origins),
+            allow_methods=_or_any(args.allowed_methods),
+            allow_headers=_or_any(args.allowed_headers),
+            allow_credentials=args.allow_credentials,
+        ),
+        root_path=args.root_path or "",
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
     )
     try:
         return asyncio.run(serve(settings, tokenizer))

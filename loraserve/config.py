@@ -40,6 +40,9 @@ class ModelConfig:
     seed: int = 0
     load_format: str = "auto"
     served_model_name: str = ""
+    # Passed to transformers' AutoConfig and AutoTokenizer (a tokenizer may ship its
+    # own code); the model itself always runs loraserve's implementation.
+    trust_remote_code: bool = False
 
 
 @dataclass
@@ -48,6 +51,8 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # None: sized from memory at start-up
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
+    # Reuse the KV blocks of a prompt prefix that an earlier request computed.
+    enable_prefix_caching: bool = True
 
 
 @dataclass
@@ -106,14 +111,27 @@ class EngineConfig:
         lora_target_modules: list[str] | None = None,
         specialize_active_lora: bool = False,
         async_scheduling: bool = True,
+        trust_remote_code: bool = False,
+        revision: str | None = None,
+        tokenizer_revision: str | None = None,
+        download_dir: str | None = None,
+        enable_prefix_caching: bool = True,
     ) -> EngineConfig:
         """Build and validate a config from vLLM-style keyword arguments."""
         from transformers import AutoConfig
 
         from loraserve.model.registry import check_architecture
 
-        model_path = resolve_model_path(model)
-        hf_config = AutoConfig.from_pretrained(model_path)
+        model_path = resolve_model_path(model, revision, download_dir, "revision")
+        tokenizer_path = model_path
+        if tokenizer:
+            tokenizer_path = resolve_model_path(tokenizer, tokenizer_revision, download_dir,
+                                                "tokenizer_revision")
+        elif tokenizer_revision is not None and tokenizer_revision != revision:
+            # The tokenizer is the model's files: another revision of them is a download.
+            tokenizer_path = resolve_model_path(model, tokenizer_revision, download_dir,
+                                                "tokenizer_revision")
+        hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         check_architecture(hf_config)
 
         dev = resolve_device(device)
@@ -172,19 +190,21 @@ class EngineConfig:
         return cls(
             model_config=ModelConfig(
                 model=model_path,
-                tokenizer=resolve_model_path(tokenizer) if tokenizer else model_path,
+                tokenizer=tokenizer_path,
                 hf_config=hf_config,
                 dtype=model_dtype,
                 max_model_len=max_model_len,
                 seed=seed,
                 load_format=load_format,
                 served_model_name=served_model_name or model,
+                trust_remote_code=trust_remote_code,
             ),
             cache_config=CacheConfig(
                 block_size=block_size,
                 num_kv_blocks=num_kv_blocks,
                 gpu_memory_utilization=gpu_memory_utilization,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
+                enable_prefix_caching=enable_prefix_caching,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -199,24 +219,40 @@ class EngineConfig:
         )
 
 
-def resolve_model_path(model: str) -> str:
-    """A local directory, a built-in model name, or a Hugging Face Hub repo id."""
-    if os.path.isdir(model):
-        return model
-    from loraserve.model.builtin import resolve_builtin_model
+def resolve_model_path(
+    model: str,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    revision_name: str = "revision",
+) -> str:
+    """A local directory, a built-in model name, or a Hugging Face Hub repo id.
 
-    local = resolve_builtin_model(model)
+    `revision` (a branch, tag or commit) and `download_dir` (the Hub cache to use)
+    apply to a Hub repo only. A revision for a local folder or a built-in model
+    would be ignored, so it is refused rather than let the user think it applies."""
+    from loraserve.model.builtin import builtin_model, resolve_builtin_model
+
+    is_dir = os.path.isdir(model)
+    if revision is not None and (is_dir or builtin_model(model) is not None):
+        kind = "a local folder" if is_dir else "a built-in model"
+        raise ValueError(
+            f"{revision_name} {revision!r} applies to Hugging Face Hub repo ids only; "
+            f"{model!r} is {kind}"
+        )
+    local = model if is_dir else resolve_builtin_model(model)
     if local is not None:
         return local
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model",
-                                                        "*.txt", "*.jinja"])
+        return snapshot_download(model, revision=revision, cache_dir=download_dir,
+                                 allow_patterns=["*.json", "*.safetensors", "*.model",
+                                                 "*.txt", "*.jinja", "*.py"])
     except Exception as e:
+        at = f" at revision {revision!r}" if revision is not None else ""
         raise ValueError(
             f"model {model!r} is neither a local directory nor a built-in model, and "
-            f"fetching it from the Hugging Face Hub failed: {e}"
+            f"fetching it{at} from the Hugging Face Hub failed: {e}"
         ) from e
 
 

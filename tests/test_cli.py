@@ -90,8 +90,17 @@ def test_help_reads_well():
                  "--max-cpu-loras", "--lora-dtype", "--lora-target-modules", "--host",
                  "--port", "--api-key", "--served-model-name", "--dtype", "--max-model-len",
                  "--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization",
-                 "--device", "--enforce-eager", "--seed", "--load-format"]:
+                 "--device", "--enforce-eager", "--seed", "--load-format", "--trust-remote-code",
+                 "--revision", "--tokenizer-revision", "--download-dir",
+                 "--enable-prefix-caching", "--no-enable-prefix-caching",
+                 "--enable-log-requests", "--disable-log-requests", "--allowed-origins",
+                 "--allowed-methods", "--allowed-headers", "--allow-credentials",
+                 "--root-path", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs"]:
         assert flag in result.stdout, flag
+    # What a flag accepted for compatibility does, or does not do, is said.
+    text = " ".join(result.stdout.split())
+    assert "no model code from the repo runs" in text
+    assert "so it changes nothing" in text
 
 
 def test_bad_rank_fails_at_once():
@@ -155,3 +164,142 @@ def test_the_engine_process_gets_the_config_the_cli_built(llama_dir):
     assert copy.device == config.device and copy.model_config.dtype == config.model_config.dtype
     first = next(iter(inspect.signature(run_engine_core).parameters.values()))
     assert first.annotation in (EngineConfig, "EngineConfig")
+
+
+# ---- flags vLLM users pass out of habit ------------------------------------------------
+
+
+def test_vllm_habit_flags_reach_the_engine_and_server(tmp_path):
+    args = parse("org/repo", "--trust-remote-code", "--revision", "v1", "--tokenizer-revision",
+                 "v2", "--download-dir", str(tmp_path), "--no-enable-prefix-caching",
+                 "--disable-log-requests", "--allowed-origins", '["https://a.example"]',
+                 "--allowed-methods", "GET,POST", "--allow-credentials", "--root-path", "/x")
+    kwargs = engine_kwargs_from_args(args)
+    assert kwargs["trust_remote_code"] is True and kwargs["enable_prefix_caching"] is False
+    assert (kwargs["revision"], kwargs["tokenizer_revision"]) == ("v1", "v2")
+    assert kwargs["download_dir"] == str(tmp_path)
+    assert args.allowed_origins == ["https://a.example"]
+    assert args.allowed_methods == ["GET", "POST"] and args.allowed_headers is None
+    assert args.allow_credentials and args.root_path == "/x" and not args.enable_log_requests
+    # Unset, prefix caching keeps the engine's default (on).
+    assert "enable_prefix_caching" not in engine_kwargs_from_args(parse("m"))
+    assert parse("m", "--enable-prefix-caching").enable_prefix_caching is True
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["m", "--ssl-keyfile", "k.pem"], "go together"),
+    (["m", "--ssl-certfile", "c.pem"], "go together"),
+    (["m", "--ssl-ca-certs", "ca.pem"], "need --ssl-certfile"),
+    (["m", "--root-path", "api"], "--root-path"),
+])
+def test_invalid_server_flags_are_refused(argv, message):
+    args = build_parser().parse_args(["serve", *argv])
+    with pytest.raises(ValueError, match=message):
+        validate_serve_args(args)
+
+
+def test_missing_tls_files_and_cert_reqs_without_ca_are_refused(tmp_path):
+    key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
+    key.write_text("k")
+    args = build_parser().parse_args(["serve", "m", "--ssl-keyfile", str(key),
+                                      "--ssl-certfile", str(cert)])
+    with pytest.raises(ValueError, match="c.pem.*not a file"):
+        validate_serve_args(args)
+    cert.write_text("c")
+    args = build_parser().parse_args(["serve", "m", "--ssl-keyfile", str(key),
+                                      "--ssl-certfile", str(cert), "--ssl-cert-reqs", "2"])
+    with pytest.raises(ValueError, match="--ssl-ca-certs"):
+        validate_serve_args(args)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '["a"', '{"a": 1}'])
+def test_bad_cors_lists_are_refused(text, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "m", "--allowed-origins", text])
+    assert exc.value.code == 2 and "--allowed-origins" in capsys.readouterr().err
+
+
+def test_enable_and_disable_log_requests_together_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "m", "--enable-log-requests",
+                                   "--disable-log-requests"])
+    assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
+def test_revision_of_a_local_folder_or_builtin_model_is_refused(llama_dir):
+    from loraserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="Hub repo ids only.*local folder"):
+        EngineConfig.from_kwargs(llama_dir, revision="main", device="cpu")
+    with pytest.raises(ValueError, match="tokenizer_revision.*local folder"):
+        EngineConfig.from_kwargs(llama_dir, tokenizer=llama_dir, tokenizer_revision="v1",
+                                 device="cpu")
+    with pytest.raises(ValueError, match="built-in model"):
+        EngineConfig.from_kwargs("smollm2-135m-instruct", revision="main", device="cpu")
+    result = run_cli(llama_dir, "--revision", "main", "--device", "cpu", "--port",
+                     str(free_port()))
+    assert result.returncode == 2
+    assert "loraserve serve: error: revision 'main' applies to Hugging Face Hub repo ids " \
+        "only" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_hub_revision_and_download_dir_go_to_the_download(monkeypatch, tmp_path, llama_dir):
+    import huggingface_hub
+
+    from loraserve.config import EngineConfig
+
+    calls = []
+
+    def fake_download(repo_id, revision=None, cache_dir=None, **kwargs):
+        calls.append((repo_id, revision, cache_dir))
+        return llama_dir
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    cache = str(tmp_path / "hub")
+    config = EngineConfig.from_kwargs("org/model", revision="abc123", download_dir=cache,
+                                      tokenizer="org/tok", tokenizer_revision="v2",
+                                      device="cpu")
+    assert calls == [("org/model", "abc123", cache), ("org/tok", "v2", cache)]
+    assert config.model_config.model == llama_dir
+    calls.clear()
+    # Without --tokenizer, the tokenizer revision picks another revision of MODEL.
+    EngineConfig.from_kwargs("org/model", revision="abc123", tokenizer_revision="v2",
+                             device="cpu")
+    assert calls == [("org/model", "abc123", None), ("org/model", "v2", None)]
+
+
+def _remote_code_tokenizer(llama_dir: str, out) -> str:
+    """The tiny model's tokenizer as a class of its own, shipped as code in the folder."""
+    import shutil
+    from pathlib import Path
+
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(llama_dir) / name).exists():
+            shutil.copy(Path(llama_dir) / name, out / name)
+    (out / "tokenization_shipped.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class ShippedTokenizer(PreTrainedTokenizerFast):\n"
+        "    shipped = True\n"
+    )
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "ShippedTokenizer"
+    config["auto_map"] = {"AutoTokenizer": [None, "tokenization_shipped.ShippedTokenizer"]}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+def test_trust_remote_code_loads_a_tokenizer_that_ships_code(llama_dir, tmp_path):
+    from loraserve.config import EngineConfig
+    from loraserve.engine.tokenizer import load_tokenizer
+
+    folder = _remote_code_tokenizer(llama_dir, tmp_path / "tok")
+    refused = EngineConfig.from_kwargs(llama_dir, tokenizer=folder, device="cpu")
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        load_tokenizer(refused)
+    config = EngineConfig.from_kwargs(llama_dir, tokenizer=folder, device="cpu",
+                                      trust_remote_code=True)
+    tokenizer = load_tokenizer(config)
+    assert type(tokenizer).__name__ == "ShippedTokenizer" and tokenizer.shipped
+    assert tokenizer("Hello world").input_ids

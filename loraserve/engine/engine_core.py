@@ -50,7 +50,8 @@ class EngineCore:
         # The worker's LoRA side (caches, device slots, background loads), None
         # without enable_lora: every adapter operation of the engine goes through it.
         self.loras: LoRAManager | None = self.runner.loras
-        self.kv = KVBlockManager(self.runner.num_kv_blocks, config.cache_config.block_size)
+        self.kv = KVBlockManager(self.runner.num_kv_blocks, config.cache_config.block_size,
+                                 config.cache_config.enable_prefix_caching)
         max_loras = config.lora_config.max_loras if config.lora_config else None
         self.scheduler = Scheduler(config.scheduler_config, self.kv, max_loras)
         self.requests: dict[str, Request] = {}
@@ -164,6 +165,9 @@ class EngineCore:
         manager = self._require_lora()
         busy = self.scheduler.running_loras()
         manager.add(lora_request, pinned=pinned, loaded=loaded)
+        if lora_request.load_inplace:
+            # New weights under the same name: blocks cached with the old ones are stale.
+            self.kv.reset_prefix_cache()
         try:
             manager.activate(lora_request.lora_name, protected=busy)
         except RuntimeError:
@@ -177,6 +181,8 @@ class EngineCore:
                if r.lora_name == lora_name}
         # Their adapter is gone: answer them with an error rather than leave them.
         self._fail_requests_of(lora_name, f"LoRA adapter {lora_name!r} was unloaded")
+        # The name may come back with other weights.
+        self.kv.reset_prefix_cache()
         return manager.remove(lora_name, ids)
 
     def pin_lora(self, lora_name: str) -> None:
@@ -295,6 +301,7 @@ class EngineCore:
         batch = self.runner.launch(step, slots)
         for req, n in scheduled:
             req.num_computed_tokens += n
+            self.kv.cache_computed_blocks(req)
         for req in sampled_reqs:
             req.num_pending += 1
         return _LaunchedStep(sampled_reqs, batch)
@@ -375,6 +382,8 @@ class EngineCore:
             running_lora_adapters=sorted(self.scheduler.running_loras()),
             waiting_lora_adapters=sorted(self.scheduler.waiting_loras()),
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_tokens=(self.kv.prefix_cache_stats.queries,
+                                 self.kv.prefix_cache_stats.hits),
         )
         manager = self.loras
         if manager is not None:

@@ -83,6 +83,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     # calls, and a total stays right however many messages carry it.
     lora_load_time_counts: list[int] = msgspec.field(default_factory=list)
     lora_load_time_sum_s: float = 0.0
+    # Prefix caching totals since start-up: (prompt tokens looked up, tokens found).
+    prefix_cache_tokens: tuple[int, int] = (0, 0)
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

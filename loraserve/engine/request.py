@@ -38,6 +38,10 @@ class Request:
     # Sampled tokens still on their way back from the device (async scheduling):
     # they count in num_tokens, and the next step reads them on the device.
     num_pending: int = 0
+    # Prefix caching (engine/kv_blocks.py): the hashes of the request's full blocks
+    # so far, kept through preemption, and how many of block_ids are in the cache.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
 
     @classmethod
     def from_engine_request(cls, req: EngineCoreRequest) -> Request:

@@ -1,5 +1,9 @@
-"""Continuous batching with a token budget (chunked prefill), paged KV blocks,
-preemption by recompute, and the max_loras rule.
+"""Continuous batching with a token budget (chunked prefill), paged KV blocks with
+prefix caching, preemption by recompute, and the max_loras rule.
+
+A request admitted from the queue (new, or preempted) starts with the cached
+blocks of its prompt's longest cached prefix (engine/kv_blocks.py) and computes
+the rest like any chunk of a chunked prefill.
 
 The max_loras rule: the adapters of all running requests count, scheduled this
 step or not. A waiting request whose adapter is new is skipped when that set is
@@ -110,10 +114,16 @@ class Scheduler:
                 ):
                     skipped.append(req)
                     continue
+            # A new or preempted request holds no blocks: it starts from the longest
+            # prefix whose blocks are still cached.
+            num_hit = self.kv.take_cached_prefix(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate_slots(req, num_new):
+                self.kv.free(req)
+                req.num_computed_tokens = 0
                 self.waiting.appendleft(req)
                 break
+            self.kv.record_prefix_lookup(req.num_tokens, num_hit)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append((req, num_new))

@@ -22,6 +22,7 @@ import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -45,6 +46,7 @@ from loraserve.entrypoints.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from loraserve.entrypoints.request_logger import RequestLoggingEngine
 from loraserve.entrypoints.request_tokenizer import RequestTokenizer
 from loraserve.entrypoints.serving_chat import OpenAIServingChat
 from loraserve.entrypoints.serving_common import ModelLimits
@@ -65,6 +67,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("loraserve.api_server")
 
+
+@dataclass
+class CORSPolicy:
+    """Starlette's CORSMiddleware settings; any origin by default, as in vLLM."""
+
+    allow_origins: list[str] = field(default_factory=lambda: ["*"])
+    allow_methods: list[str] = field(default_factory=lambda: ["*"])
+    allow_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
 @dataclass
 class ServerSettings:
     """Everything `loraserve serve` needs: the engine's config, validated once and
@@ -72,6 +85,9 @@ class ServerSettings:
 
     engine_config: EngineConfig
     served_model_names: list[str]
+    # `--model` as given (a Hub id, a directory): the base model card's `root`.
+    # None: the directory the model was loaded from.
+    model: str | None = None
     host: str | None = None
     port: int = 8000
     api_key: str | None = None
@@ -86,6 +102,16 @@ class ServerSettings:
     trust_request_chat_template: bool = False
     metrics_require_api_key: bool = False
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    # One log line per request (--enable-log-requests).
+    log_requests: bool = False
+    cors: CORSPolicy = field(default_factory=CORSPolicy)
+    # The prefix a reverse proxy serves the API under (--root-path).
+    root_path: str = ""
+    # HTTPS when both are set; client certificates checked against ssl_ca_certs.
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
 
 
 @dataclass
@@ -101,6 +127,8 @@ class ServerState:
     drain: Drain = field(default_factory=Drain)
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     metrics_require_api_key: bool = False
+    cors: CORSPolicy | None = None
+    root_path: str = ""
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -156,6 +184,13 @@ def build_app(state: ServerState) -> FastAPI:
     open_paths = OPEN_PATHS if state.metrics_require_api_key else OPEN_PATHS | {"/metrics"}
     app.add_middleware(GuardMiddleware, api_key=state.api_key, drain=state.drain,
                        engine_dead=lambda: state.engine.is_dead, open_paths=open_paths)
+    if state.cors is not None:
+        # Outermost: a preflight OPTIONS carries no API key, and a 401 or 413 needs
+        # the CORS headers too for a browser to read it.
+        app.add_middleware(CORSMiddleware, allow_origins=state.cors.allow_origins,
+                           allow_methods=state.cors.allow_methods,
+                           allow_headers=state.cors.allow_headers,
+                           allow_credentials=state.cors.allow_credentials)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -206,6 +241,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
         return JSONResponse(state.models.list_models().model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> JSONResponse:
+        return JSONResponse(state.models.model_card(model_id).model_dump())
 
     @app.get("/v1/engine_stats")
     async def engine_stats() -> JSONResponse:
@@ -283,7 +322,7 @@ async def serve(settings: ServerSettings, tokenizer: Any) -> int:
         models = ServingModels(
             engine,
             settings.served_model_names,
-            ready.model_path,
+            settings.model or ready.model_path,
             ready.max_model_len,
             resolvers=load_resolvers(settings.lora_resolvers) if allow_runtime else [],
             allow_runtime_updates=allow_runtime,
@@ -293,13 +332,15 @@ async def serve(settings: ServerSettings, tokenizer: Any) -> int:
         # tokenizer's length need not equal.
         vocab_size = settings.engine_config.model_config.hf_config.vocab_size
         limits = ModelLimits(ready.max_model_len, vocab_size)
-        chat = OpenAIServingChat(engine, models, request_tokenizer, limits,
+        generator = (RequestLoggingEngine(engine, settings.served_model_names[0])
+                     if settings.log_requests else engine)
+        chat = OpenAIServingChat(generator, models, request_tokenizer, limits,
                                  settings.sampling_defaults,
                                  settings.trust_request_chat_template)
         state = ServerState(
             engine=engine,
             models=models,
-            completion=OpenAIServingCompletion(engine, models, request_tokenizer, limits,
+            completion=OpenAIServingCompletion(generator, models, request_tokenizer, limits,
                                                settings.sampling_defaults),
             chat=chat,
             tokenization=OpenAIServingTokenization(models, chat, request_tokenizer, limits),
@@ -308,9 +349,14 @@ async def serve(settings: ServerSettings, tokenizer: Any) -> int:
             allow_runtime_lora=allow_runtime,
             max_request_body_bytes=settings.max_request_body_bytes,
             metrics_require_api_key=settings.metrics_require_api_key,
+            cors=settings.cors,
+            root_path=settings.root_path,
         )
         config = uvicorn.Config(
             build_app(state), log_level=settings.uvicorn_log_level, timeout_keep_alive=5,
+            root_path=settings.root_path, ssl_keyfile=settings.ssl_keyfile,
+            ssl_certfile=settings.ssl_certfile, ssl_ca_certs=settings.ssl_ca_certs,
+            ssl_cert_reqs=settings.ssl_cert_reqs,
         )
         server = DrainingServer(config, state.drain, settings.shutdown_timeout_s,
                                 engine.fail_all_requests)
@@ -334,8 +380,9 @@ async def serve(settings: ServerSettings, tokenizer: Any) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
         host = settings.host or "0.0.0.0"
-        logger.info("serving %s on http://%s:%d", ", ".join(settings.served_model_names),
-                    host, settings.port)
+        scheme = "https" if settings.ssl_certfile else "http"
+        logger.info("serving %s on %s://%s:%d%s", ", ".join(settings.served_model_names),
+                    scheme, host, settings.port, settings.root_path)
         await server.serve(sockets=[sock])
         watcher.cancel()
     finally:

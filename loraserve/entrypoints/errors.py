@@ -23,14 +23,20 @@ _ERROR_TYPES = {
 class APIError(Exception):
     """Raised anywhere in a handler; becomes an OpenAI-shaped error response."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 error_type: str | None = None) -> None:
         super().__init__(message)
         self.status = int(status)
         self.message = message
         self.param = param
+        # None: the name OpenAI's client gives the status. vLLM names some errors
+        # more finely (InvalidUserInput), and clients match on those names.
+        self._error_type = error_type
 
     @property
     def error_type(self) -> str:
+        if self._error_type is not None:
+            return self._error_type
         return _ERROR_TYPES.get(self.status, HTTPStatus(self.status).phrase.replace(" ", ""))
 
     def body(self) -> dict:
@@ -49,6 +55,11 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(HTTPStatus.BAD_REQUEST, message, param)
+
+
+def invalid_user_input(message: str, param: str | None = None) -> APIError:
+    """vLLM's 400 for a malformed adapter load/unload request."""
+    return APIError(HTTPStatus.BAD_REQUEST, message, param, error_type="InvalidUserInput")
 
 
 def not_found(message: str, param: str | None = None) -> APIError:

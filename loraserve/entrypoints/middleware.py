@@ -104,7 +104,12 @@ class GuardMiddleware:
         await self.app(scope, receive, send)
 
     def _refusal(self, scope: dict) -> APIError | None:
+        # Behind --root-path uvicorn puts the prefix in front of the path: the rules
+        # are about the application's own paths.
         path = scope["path"]
+        root = scope.get("root_path") or ""
+        if root and path.startswith(root):
+            path = path[len(root):] or "/"
         if self.api_key and path not in self.open_paths and scope.get("method") != "OPTIONS":
             headers = dict(scope.get("headers") or [])
             given = headers.get(b"authorization", b"")

@@ -63,6 +63,8 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = False
     best_of: Int64 | None = None
     suffix: str | None = None
+    # vLLM's extra: False tokenizes the prompt without BOS and the like.
+    add_special_tokens: bool = True
 
 
 class ChatMessage(OpenAIModel):
@@ -83,6 +85,9 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's extras for the chat template.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # The template adds its own special tokens; True adds the tokenizer's too.
+    add_special_tokens: bool = False
+    documents: list[dict[str, Any]] | None = None
     # A Jinja template for this request only: refused unless the server runs with
     # --trust-request-chat-template.
     chat_template: str | None = None

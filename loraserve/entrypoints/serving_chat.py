@@ -29,10 +29,12 @@ from loraserve.entrypoints.protocol import (
     random_id,
 )
 from loraserve.entrypoints.serving_common import (
+    CHAT_FIELDS_NOT_SUPPORTED,
     ModelLimits,
     OpenAIServing,
     TokenText,
     build_sampling_params,
+    check_not_supported,
     check_unsupported,
     final_outputs,
     finish_error,
@@ -40,6 +42,7 @@ from loraserve.entrypoints.serving_common import (
     sse,
     sse_events,
     top_entries,
+    usage_options,
 )
 
 if TYPE_CHECKING:
@@ -110,6 +113,8 @@ class OpenAIServingChat(OpenAIServing):
                               param="chat_template_kwargs")
         if request.tools:
             kwargs["tools"] = request.tools
+        if request.documents:
+            kwargs["documents"] = request.documents
         return template, kwargs
 
     async def render_prompt(
@@ -141,7 +146,7 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request(f"Could not apply the chat template: {exc}", "messages") from exc
         if check_length:
             self.check_prompt_text(prompt, param="messages")
-        ids = await self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = await self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
         if not ids:
             raise bad_request("The rendered prompt is empty.", param="messages")
         return prompt, ids
@@ -150,6 +155,14 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         check_unsupported(request)
+        check_not_supported(request, CHAT_FIELDS_NOT_SUPPORTED)
+        if request.tool_choice not in (None, "none"):
+            # Tool calls are not parsed out of the text; "auto" would answer with a
+            # call as plain content, a named tool choice would not be enforced.
+            raise bad_request(
+                f"tool_choice {request.tool_choice!r} is not supported by this server: it "
+                "does not parse tool calls. Leave it unset or 'none'.", param="tool_choice",
+            )
         if request.response_format and request.response_format.get("type", "text") != "text":
             raise bad_request("Only response_format type 'text' is supported.", "response_format")
         if request.top_logprobs is not None and not request.logprobs:
@@ -217,9 +230,13 @@ class OpenAIServingChat(OpenAIServing):
         token_text: TokenText,
     ) -> AsyncIterator[str]:
         created = int(time.time())
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        include_usage, continuous_usage = usage_options(request)
+        choice_tokens = [0] * request.n
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+            if usage is None and continuous_usage and choices:
+                # Per choice, as vLLM counts continuous usage.
+                usage = UsageInfo.of(prompt_len, choice_tokens[choices[0].index])
             body = ChatCompletionChunk(
                 id=request_id, created=created, model=model_name, choices=choices, usage=usage
             )
@@ -244,6 +261,7 @@ class OpenAIServingChat(OpenAIServing):
                     if out.finish_reason == "error":
                         raise finish_error([out])
                     completion_tokens += len(out.delta_token_ids)
+                    choice_tokens[out.index] += len(out.delta_token_ids)
                     # One chunk per step that made tokens, as vLLM does, even when
                     # they give no text yet (half a character, a possible stop
                     # string): clients time tokens by chunks.

@@ -73,7 +73,69 @@ class OpenAIServing:
             raise context_length_exceeded(self.max_model_len, at_least, param, exact=False)
 
 
+# Fields of vLLM's CompletionRequest and ChatCompletionRequest that loraserve does
+# not implement, with the value that means "not used". A request that sets one to
+# anything else gets a 400 naming it rather than an answer that ignores it.
+# (docs/vllm-compatibility.md lists them.)
+_UNSET = object()
+VLLM_FIELDS_NOT_SUPPORTED: dict[str, Any] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "prompt_logprobs": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "truncate_prompt_tokens": None,
+    "spaces_between_special_tokens": True,
+    "logits_processors": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
+    "structured_outputs": None,
+    "priority": 0,
+    "request_id": None,
+    "return_token_ids": False,
+    "cache_salt": None,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+    "prompt_embeds": None,
+    "mm_processor_kwargs": None,
+}
+CHAT_FIELDS_NOT_SUPPORTED: dict[str, Any] = {
+    "echo": False,
+    "best_of": 1,
+    "reasoning_effort": None,
+}
+_WHY_NOT_SUPPORTED = {
+    "use_beam_search": "loraserve samples every sequence on its own; use n with sampling "
+                       "parameters instead",
+    "prompt_logprobs": "loraserve returns the logprobs of generated tokens only",
+}
+
+
+def check_not_supported(request: SamplingFields, fields: dict[str, Any]) -> None:
+    """400 naming the first of `fields` that the request sets to a value that
+    would change the answer."""
+    for name, unused in fields.items():
+        value = getattr(request, name, _UNSET)
+        if value is _UNSET or value is None or value == unused:
+            continue
+        if isinstance(value, list | dict) and not value:
+            continue
+        why = _WHY_NOT_SUPPORTED.get(name)
+        shown = repr(value)
+        if len(shown) > 80:  # a whole JSON schema would bury the message
+            shown = shown[:77] + "..."
+        raise bad_request(
+            f"{name} is not supported by this server (got {shown})"
+            + (f": {why}." if why else "."), param=name,
+        )
+
+
 def check_unsupported(request: SamplingFields) -> None:
+    check_not_supported(request, VLLM_FIELDS_NOT_SUPPORTED)
     if request.logit_bias:
         raise bad_request("logit_bias is not supported by this server.", param="logit_bias")
     if request.n < 1:
@@ -220,6 +282,21 @@ class TokenText:
 def top_entries(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
     """The k most likely (token_id, logprob) pairs, most likely first."""
     return sorted(logprobs.items(), key=lambda item: item[1], reverse=True)[:k]
+
+
+def chosen_and_top(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The sampled token and then the k most likely, at most k + 1 pairs: what
+    OpenAI's completions API (and vLLM) list as a position's top_logprobs. The
+    engine puts the sampled token first in `logprobs`, then the top k."""
+    return list(logprobs.items())[:k + 1]
+
+
+def usage_options(request: SamplingFields) -> tuple[bool, bool]:
+    """(usage in a last chunk, usage in every chunk) of a streamed request. As in
+    vLLM, continuous_usage_stats only counts together with include_usage."""
+    options = request.stream_options
+    include_usage = bool(options and options.include_usage)
+    return include_usage, include_usage and bool(options.continuous_usage_stats)
 
 
 def sse(payload: dict | str) -> str:

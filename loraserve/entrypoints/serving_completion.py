@@ -23,6 +23,7 @@ from loraserve.entrypoints.serving_common import (
     build_sampling_params,
     check_token_ids,
     check_unsupported,
+    chosen_and_top,
     context_length_exceeded,
     final_outputs,
     finish_error,
@@ -30,7 +31,7 @@ from loraserve.entrypoints.serving_common import (
     resolve_max_tokens,
     sse,
     sse_events,
-    top_entries,
+    usage_options,
 )
 
 
@@ -66,7 +67,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for item in items:
             if isinstance(item, str):
                 text: str | None = item
-                ids = await self.tokenizer.encode(item)
+                ids = await self.tokenizer.encode(item, request.add_special_tokens)
             else:
                 ids = list(item)
                 text = await self.tokenizer.decode(ids) if ids else ""
@@ -85,6 +86,10 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request("best_of must be unset or equal to n.", param="best_of")
         if request.echo and request.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported.", param="echo")
+        response_format = getattr(request, "response_format", None)
+        if response_format and response_format.get("type", "text") != "text":
+            raise bad_request("Only response_format type 'text' is supported.",
+                              param="response_format")
         lora = await self.models.resolve(request.model)
         prompts = await self._prompts(request)
         params = [
@@ -156,10 +161,11 @@ class OpenAIServingCompletion(OpenAIServing):
         token_text: TokenText,
     ) -> AsyncIterator[str]:
         created = int(time.time())
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        include_usage, continuous_usage = usage_options(request)
         offsets: dict[int, int] = {}
         finished: set[int] = set()
         completion_tokens = 0
+        choice_tokens: dict[int, int] = {}
         async with aclosing(merge_streams(streams)) as merged:
             async for i, output in merged:
                 for out in output.outputs:
@@ -174,6 +180,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         if request.echo:
                             text = (prompts[i][0] or "") + text
                     completion_tokens += len(out.delta_token_ids)
+                    choice_tokens[index] = choice_tokens.get(index, 0) + len(out.delta_token_ids)
                     # One chunk per step that made tokens, as vLLM does, even when
                     # they give no text yet (half a character, a possible stop
                     # string): clients time tokens by chunks.
@@ -193,7 +200,12 @@ class OpenAIServingCompletion(OpenAIServing):
                         finish_reason=out.finish_reason,
                         stop_reason=out.stop_reason,
                     )
-                    yield sse(_chunk(request_id, created, model_name, [choice.model_dump()]))
+                    # Continuous usage counts this choice's prompt and tokens so far,
+                    # as vLLM does.
+                    usage = UsageInfo.of(len(prompts[i][1]), choice_tokens[index]).model_dump() \
+                        if continuous_usage else None
+                    yield sse(_chunk(request_id, created, model_name, [choice.model_dump()],
+                                     usage))
         if include_usage:
             prompt_tokens = sum(len(ids) for _, ids in prompts)
             usage = UsageInfo.of(prompt_tokens, completion_tokens)
@@ -226,7 +238,7 @@ def _logprobs(
         text = token_text(token_id)
         result.tokens.append(text)
         result.token_logprobs.append(entry.get(token_id))
-        result.top_logprobs.append({token_text(t): lp for t, lp in top_entries(entry, k)})
+        result.top_logprobs.append({token_text(t): lp for t, lp in chosen_and_top(entry, k)})
         result.text_offset.append(offset)
         offset += len(text)
     return result

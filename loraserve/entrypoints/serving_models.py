@@ -14,13 +14,20 @@ from dataclasses import dataclass
 import msgspec
 
 from loraserve.engine.core_client import AsyncEngineClient, EngineDeadError, EngineUtilityError
-from loraserve.entrypoints.errors import APIError, bad_request, engine_unavailable, not_found
+from loraserve.entrypoints.errors import (
+    APIError,
+    bad_request,
+    engine_unavailable,
+    invalid_user_input,
+    not_found,
+)
 from loraserve.entrypoints.protocol import (
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     UnloadLoRAAdapterRequest,
 )
+from loraserve.lora.errors import LoRANotFoundError
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.resolver import LoRAResolver
 
@@ -47,6 +54,8 @@ class ServingModels:
         resolvers: list[LoRAResolver] | None = None,
         allow_runtime_updates: bool = False,
     ) -> None:
+        """model_path: the base model as `--model` named it (a Hub id or a
+        directory), which its model card shows as `root`."""
         self.engine = engine
         self.served_model_names = served_model_names
         self.model_path = model_path
@@ -118,34 +127,45 @@ class ServingModels:
         return None
 
     def list_models(self) -> ModelList:
-        cards = [
-            ModelCard(id=name, root=self.model_path, max_model_len=self.max_model_len)
-            for name in self.served_model_names
-        ]
-        cards += [
-            ModelCard(
-                id=lora.lora_name,
-                root=lora.lora_path,
-                parent=lora.base_model_name or self.base_model_name,
-                max_model_len=self.max_model_len,
-            )
-            for lora in self.loras.values()
-        ]
+        cards = [self._base_card(name) for name in self.served_model_names]
+        cards += [self._lora_card(lora) for lora in self.loras.values()]
         return ModelList(data=cards)
+
+    def model_card(self, model_id: str) -> ModelCard:
+        """GET /v1/models/{id}: the card of a served name or a loaded adapter."""
+        if model_id in self.served_model_names:
+            return self._base_card(model_id)
+        lora = self.loras.get(model_id)
+        if lora is None:
+            raise not_found(f"The model `{model_id}` does not exist.", param="model")
+        return self._lora_card(lora)
+
+    def _base_card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, root=self.model_path, max_model_len=self.max_model_len)
+
+    def _lora_card(self, lora: LoRARequest) -> ModelCard:
+        return ModelCard(
+            id=lora.lora_name,
+            root=lora.lora_path,
+            parent=lora.base_model_name or self.base_model_name,
+            max_model_len=self.max_model_len,
+        )
 
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> str:
         """Load and activate an adapter; raise APIError with vLLM's status codes."""
         name, path = body.lora_name.strip(), body.lora_path.strip()
         if not name or not path:
-            raise bad_request("Both 'lora_name' and 'lora_path' must be provided.")
+            raise invalid_user_input("Both 'lora_name' and 'lora_path' must be provided.")
         if self.is_base_model(name):
-            raise bad_request(f"'{name}' is the name of the base model, not an adapter.")
+            raise invalid_user_input(
+                f"'{name}' is the name of the base model, not an adapter.", param="lora_name"
+            )
         async with self._lock:
             existing = self.loras.get(name)
             if existing is not None and not body.load_inplace:
-                raise bad_request(
-                    f"The lora adapter '{name}' has already been loaded. "
-                    "Set 'load_inplace' to true to replace it."
+                raise invalid_user_input(
+                    f"The lora adapter '{name}' has already been loaded. If you want to load "
+                    "the adapter in place, set 'load_inplace' to True.", param="lora_name",
                 )
             request = LoRARequest(
                 lora_name=name,
@@ -157,7 +177,7 @@ class ServingModels:
             try:
                 await self.engine.add_lora(request)
             except EngineUtilityError as exc:
-                raise bad_request(f"Failed to load LoRA adapter '{name}': {exc}") from exc
+                raise load_error(exc) from exc
             except EngineDeadError as exc:
                 raise engine_unavailable() from exc
             self.loras[name] = msgspec.structs.replace(request, load_inplace=False)
@@ -167,7 +187,7 @@ class ServingModels:
         """Forget the name and free the adapter's memory in the engine."""
         name = body.lora_name.strip()
         if not name:
-            raise bad_request("'lora_name' must be provided.")
+            raise invalid_user_input("'lora_name' must be provided.")
         async with self._lock:
             if name not in self.loras:
                 raise not_found(f"The lora adapter '{name}' cannot be found.")
@@ -180,3 +200,12 @@ class ServingModels:
             except EngineDeadError as exc:
                 raise engine_unavailable() from exc
         return f"Success: LoRA adapter '{name}' removed successfully."
+
+
+def load_error(exc: EngineUtilityError) -> APIError:
+    """The engine's reason an adapter did not load, with vLLM's status: 404 when
+    there is no adapter at the path, 400 when there is one that loraserve cannot
+    serve (bad rank, DoRA, modules_to_save, bad JSON or tensors)."""
+    if exc.error_type == LoRANotFoundError.__name__:
+        return not_found(str(exc), param="lora_path")
+    return bad_request(str(exc), param="lora_path")

@@ -1,4 +1,4 @@
-"""The error every bad adapter raises: it names the adapter and the reason."""
+"""The errors a bad adapter raises: they name the adapter and the reason."""
 
 
 class LoRAError(ValueError):
@@ -6,3 +6,16 @@ class LoRAError(ValueError):
         super().__init__(f"LoRA adapter {lora_name!r}: {reason}")
         self.lora_name = lora_name
         self.reason = reason
+
+
+class LoRANotFoundError(LoRAError):
+    """Nothing that could be an adapter at the path given: no such directory, no
+    adapter_config.json in it, no such Hugging Face Hub repo. The API answers it
+    with 404, as vLLM does, and every other LoRAError with 400."""
+
+    def __init__(self, lora_name: str, lora_path: str, detail: str) -> None:
+        super().__init__(lora_name, f"No adapter found for {lora_path}: {detail}")
+        # vLLM's wording, which clients match on.
+        self.args = (f"Loading lora {lora_name} failed: No adapter found for {lora_path} "
+                     f"({detail})",)
+        self.lora_path = lora_path

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from loraserve.lora.errors import LoRAError
+from loraserve.lora.errors import LoRAError, LoRANotFoundError
 from loraserve.lora.request import LoRARequest
 
 CONFIG_FILE = "adapter_config.json"
@@ -104,16 +104,17 @@ def resolve_adapter_path(lora_request: LoRARequest) -> str:
     if os.path.isdir(expanded):
         return expanded
     if os.path.exists(expanded):
-        raise LoRAError(lora_request.lora_name, f"{path} is a file; give the adapter's directory")
+        raise LoRANotFoundError(lora_request.lora_name, path,
+                                f"{path} is a file; give the adapter's directory")
     if expanded.startswith(("/", "./", "../")):
-        raise LoRAError(lora_request.lora_name, f"directory {path} does not exist")
+        raise LoRANotFoundError(lora_request.lora_name, path, f"directory {path} does not exist")
     from huggingface_hub import snapshot_download
 
     try:
         return snapshot_download(repo_id=path)
     except Exception as e:  # offline mode, unknown repo, network: all the same to the user
-        raise LoRAError(
-            lora_request.lora_name,
+        raise LoRANotFoundError(
+            lora_request.lora_name, path,
             f"{path} is not a local directory and could not be fetched from the Hugging "
             f"Face Hub ({type(e).__name__}: {e})",
         ) from e
@@ -122,7 +123,7 @@ def resolve_adapter_path(lora_request: LoRARequest) -> str:
 def read_peft_config(lora_name: str, adapter_dir: str) -> PeftConfig:
     config_path = Path(adapter_dir) / CONFIG_FILE
     if not config_path.exists():
-        raise LoRAError(lora_name, f"{CONFIG_FILE} is missing in {adapter_dir}")
+        raise LoRANotFoundError(lora_name, adapter_dir, f"{CONFIG_FILE} is missing in it")
     try:
         raw = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
@@ -131,11 +132,17 @@ def read_peft_config(lora_name: str, adapter_dir: str) -> PeftConfig:
     if str(peft_type).upper() != "LORA":
         raise LoRAError(lora_name, f"peft_type {peft_type!r} is not a LoRA adapter")
     if raw.get("use_dora"):
-        raise LoRAError(lora_name, "DoRA adapters are not supported")
+        raise LoRAError(lora_name, "loraserve does not yet support DoRA (use_dora)")
     if raw.get("modules_to_save"):
         raise LoRAError(
-            lora_name, f"modules_to_save {raw['modules_to_save']} (full layer copies) are not "
-            "supported"
+            lora_name, "loraserve only supports modules_to_save being None; the adapter has "
+            f"{raw['modules_to_save']} (full layer copies)"
+        )
+    if raw.get("bias", "none") != "none":
+        # Trained biases would change the base model's layers, not add a LoRA delta.
+        raise LoRAError(
+            lora_name, f"Adapter bias cannot be used (bias={raw['bias']!r} in {CONFIG_FILE}); "
+            "loraserve supports bias 'none' only"
         )
     for key in ("r", "lora_alpha"):
         # PEFT always writes both; guessing a missing alpha would scale the adapter
@@ -190,6 +197,10 @@ def load_lora_model(
                 "run code); save the adapter as safetensors (PEFT's default)"
             )
         raise LoRAError(name, f"{WEIGHTS_FILE} is missing in {adapter_dir}")
+    if not weights_path.is_file():
+        # safe_open holds the GIL while it opens the file: on a FIFO or a device that
+        # open would block, and with it every thread of the engine.
+        raise LoRAError(name, f"{WEIGHTS_FILE} in {adapter_dir} is not a regular file")
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     keys: dict[tuple[str, str], str] = {}  # (module, "A"/"B") -> the tensor's name
