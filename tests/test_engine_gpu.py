@@ -66,3 +66,25 @@ def test_bf16_stays_close_to_fp32_reference(llama_dir, llama_adapters, prompts):
         # Our bf16 token must be (nearly) the reference's best, and its logprob close.
         assert abs(entry[token] - float(ref[start + i, token])) < 0.15
         assert float(ref[start + i].max() - ref[start + i, token]) < 0.15
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_prefix_caching_on_gpu_matches_peft(llama_dir, llama_adapters, prompts, enforce_eager):
+    """Requests that share a 40-token prefix, for the base model and two adapters:
+    the second pass starts from cached blocks (attention over a cached context in
+    the first prefill) and must still give transformers+PEFT's tokens."""
+    prefix = (prompts[3] * 8 + prompts[1] * 8)[:40]
+    shared = [prefix + p for p in prompts[:3]]
+    loras = [None, LoRARequest("r8", 1, llama_adapters["r8"]),
+             LoRARequest("r16_qv", 2, llama_adapters["r16_qv"])]
+    batch = [(p, lora) for p in shared for lora in loras]
+    llm = LLM(llama_dir, device="cuda", dtype="float32", enable_lora=True, max_loras=2,
+              max_lora_rank=16, enforce_eager=enforce_eager, max_num_seqs=16,
+              kv_cache_memory_bytes=1 << 28, enable_prefix_caching=True)
+    first = _gen(llm, [p for p, _ in batch], [lr for _, lr in batch])
+    hits_before = llm.engine.kv.prefix_cache_stats.hits
+    second = _gen(llm, [p for p, _ in batch], [lr for _, lr in batch])
+    assert llm.engine.kv.prefix_cache_stats.hits > hits_before
+    for (p, lora), a, b in zip(batch, first, second, strict=True):
+        want = hf_greedy(llama_dir, lora.lora_path if lora else None, p, MAX_TOKENS)
+        assert a.token_ids == want and b.token_ids == want, lora
