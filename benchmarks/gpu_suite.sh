@@ -106,7 +106,8 @@ fi
 
 if has profile || has decode32 || has timeline || has offprof || has offline || has startup || has firstuse || has serve; then
   stamp setup
-  # The serving runs pick from 64 adapters; the offline runs use the first 32.
+  # The serving runs pick from 64 adapters; the offline runs use the first 32. Runs repeat
+  # their prompts, so the benchmarks turn the prefix cache off: it would serve the repeats.
   python3 benchmarks/make_bench_setup.py --out /tmp/bench \
       --num-adapters "${NUM_ADAPTERS:-$(has serve && echo 64 || echo 32)}" \
       --rank 16 > "$OUT/setup.log" 2>&1
@@ -185,7 +186,8 @@ if has serve; then
   mods=()
   for d in "$ADAPTERS"/*/; do n=$(basename "$d"); mods+=("$n=$d"); done
   python3 -m loraserve.cli serve $MODEL --load-format dummy --enable-lora --max-loras 8 --max-lora-rank 16 \
-      --max-cpu-loras 64 --port 8011 --lora-modules "${mods[@]}" > "$OUT/server.log" 2>&1 &
+      --max-cpu-loras 64 --port 8011 --no-enable-prefix-caching --lora-modules "${mods[@]}" \
+      > "$OUT/server.log" 2>&1 &
   server=$!
   for _ in $(seq 300); do
     curl -sf http://127.0.0.1:8011/v1/models > /dev/null && break; sleep 1

@@ -115,6 +115,9 @@ def main() -> None:
                    help="alternate this many base and LoRA runs; report the medians")
     p.add_argument("--decode-rate", action="store_true",
                    help="also time the prefill alone and report the decode steps' rate")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="keep the engine's prefix cache on: every run repeats the same "
+                   "prompts, so from the second run on their prefills come from the cache")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -123,7 +126,8 @@ def main() -> None:
     llm = LLM(args.model, load_format=args.load_format, enable_lora=args.adapters is not None,
               max_loras=max_loras, max_lora_rank=args.max_lora_rank,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enforce_eager=args.enforce_eager, device=args.device)
+              enforce_eager=args.enforce_eager, device=args.device,
+              enable_prefix_caching=args.enable_prefix_caching)
     vocab = llm.config.model_config.hf_config.vocab_size
     prompts = make_prompts(args.num_requests, args.input_len, vocab)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

@@ -25,6 +25,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's extra: the logprob of every prompt token after the first, its rank, and
+    # the top prompt_logprobs alternatives at that position.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -77,6 +80,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             (
                 self.logprobs is None or self.logprobs >= 0,
                 f"logprobs must be >= 0, got {self.logprobs}",
+            ),
+            (
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}",
             ),
         ]
         for ok, message in checks:

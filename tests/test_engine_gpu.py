@@ -88,3 +88,23 @@ def test_prefix_caching_on_gpu_matches_peft(llama_dir, llama_adapters, prompts, 
     for (p, lora), a, b in zip(batch, first, second, strict=True):
         want = hf_greedy(llama_dir, lora.lora_path if lora else None, p, MAX_TOKENS)
         assert a.token_ids == want and b.token_ids == want, lora
+
+
+def test_prompt_logprobs_on_gpu_match_transformers(llama_dir, llama_adapters, prompts):
+    """Prompt logprobs come from eager prefill steps on the GPU too, chunked over
+    several steps, next to a request that does not ask (which decodes in graphs)."""
+    from test_prompt_logprobs import K, check_against, hf_prompt_logprobs
+
+    long_prompt = (prompts[3] * 8 + prompts[1] * 8)[:45]
+    r8 = LoRARequest("r8", 1, llama_adapters["r8"])
+    llm = LLM(llama_dir, device="cuda", dtype="float32", enable_lora=True, max_loras=2,
+              max_lora_rank=16, max_num_seqs=16, max_num_batched_tokens=16,
+              kv_cache_memory_bytes=1 << 28)
+    asks = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=K)
+    outs = llm.generate([{"prompt_token_ids": long_prompt}] * 2 + [{"prompt_token_ids":
+                        prompts[0]}], [asks, asks, GREEDY], [None, r8, None])
+    check_against(hf_prompt_logprobs(llama_dir, None, long_prompt), long_prompt,
+                  outs[0].prompt_logprobs)
+    check_against(hf_prompt_logprobs(llama_dir, llama_adapters["r8"], long_prompt),
+                  long_prompt, outs[1].prompt_logprobs)
+    assert outs[2].outputs[0].token_ids == hf_greedy(llama_dir, None, prompts[0], MAX_TOKENS)

@@ -298,7 +298,7 @@ def test_add_special_tokens(server, model_dir):
 @pytest.mark.parametrize(("endpoint", "field", "value"), [
     ("completions", "use_beam_search", True),
     ("chat/completions", "use_beam_search", True),
-    ("completions", "prompt_logprobs", 1),
+    ("chat/completions", "prompt_logprobs", 1),
     ("completions", "length_penalty", 0.5),
     ("completions", "allowed_token_ids", [1, 2]),
     ("completions", "bad_words", ["fox"]),

@@ -18,7 +18,7 @@ while the others keep their tokens and the loop goes on.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,9 +36,9 @@ from loraserve.engine.scheduler import Scheduler
 from loraserve.lora.manager import LoRAManager
 from loraserve.lora.peft_adapter import LoRAModel
 from loraserve.lora.request import LoRARequest
-from loraserve.worker.input_batch import SeqInput, StepInput
+from loraserve.worker.input_batch import PromptLogprobsInput, SeqInput, StepInput
 from loraserve.worker.model_runner import ModelRunner
-from loraserve.worker.sampler import SampledBatch, SamplingRow
+from loraserve.worker.sampler import PromptLogprobsBatch, SampledBatch, SamplingRow
 
 logger = logging.getLogger(__name__)
 
@@ -121,10 +121,12 @@ class EngineCore:
         _check_token_ids("stop_token_ids", params.stop_token_ids or [], vocab)
         if ecr.eos_token_id is not None:
             _check_token_ids("eos_token_id", [ecr.eos_token_id], vocab)
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(
-                f"logprobs must be at most the vocabulary size {vocab}, got {params.logprobs}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise ValueError(
+                    f"{name} must be at most the vocabulary size {vocab}, got {value}"
+                )
         lora = ecr.lora_request
         if lora is not None:
             if self.loras is None:
@@ -277,9 +279,13 @@ class EngineCore:
         through, so a failed launch can be retried as if it never happened."""
         seqs = []
         sampled_reqs = []
+        prompt_reqs: list[tuple[Request, int]] = []  # and the positions they read
         for req, n in scheduled:
             start = req.num_computed_tokens
             samples = start + n == req.num_tokens
+            prompt_lps = _prompt_logprobs_input(req, start, n)
+            if prompt_lps is not None:
+                prompt_reqs.append((req, start + prompt_lps.first + len(prompt_lps.targets)))
             seqs.append(SeqInput(
                 request_id=req.request_id,
                 token_ids=req.token_ids(start, start + n),
@@ -290,6 +296,7 @@ class EngineCore:
                     req.sampling_params, req.prompt_token_ids, req.output_token_ids,
                     req.eos_token_id, req.generator, req.num_pending,
                 ) if samples else None,
+                prompt_logprobs=prompt_lps,
             ))
             if samples:
                 sampled_reqs.append(req)
@@ -298,46 +305,64 @@ class EngineCore:
             self.loras.set_active(step.lora_names(), self.scheduler.running_loras())
             if self.loras else {}
         )
-        batch = self.runner.launch(step, slots)
+        batch, prompt_batch = self.runner.launch_step(step, slots)
         for req, n in scheduled:
             req.num_computed_tokens += n
             self.kv.cache_computed_blocks(req)
         for req in sampled_reqs:
             req.num_pending += 1
-        return _LaunchedStep(sampled_reqs, batch)
+        for req, sent in prompt_reqs:
+            req.num_prompt_logprobs_sent = sent
+        return _LaunchedStep(sampled_reqs, batch, [r for r, _ in prompt_reqs], prompt_batch)
 
     def _finish(self, launched: _LaunchedStep, outputs: list[EngineCoreOutput]) -> None:
-        """Read a launched step's tokens back and hand them to their requests."""
-        if launched.batch is None:
+        """Read a launched step's tokens (and prompt logprobs) back and hand them to
+        their requests."""
+        if launched.batch is None and launched.prompt_batch is None:
             return
         try:
-            result = launched.batch.to_host()
+            result = launched.batch.to_host() if launched.batch is not None else None
+            prompt_lps = (launched.prompt_batch.to_host()
+                          if launched.prompt_batch is not None else [])
         except Exception as exc:  # noqa: BLE001 - the step's tokens are lost, not the engine
             logger.exception("reading back a step of %d requests failed",
                              len(launched.requests))
             for req in launched.requests:
                 req.num_pending -= 1
-            alive = [r for r in launched.requests if r.status is not RequestStatus.FINISHED]
+            hit = dict.fromkeys(launched.requests + launched.prompt_requests)
+            alive = [r for r in hit if r.status is not RequestStatus.FINISHED]
             outputs += self._fail(alive, _step_error(exc))
             return
-        for req, token, logprobs in zip(launched.requests, result.token_ids, result.logprobs,
-                                        strict=True):
-            req.num_pending -= 1
+        # Prompt logprobs ride with the request's sampled token when this step has
+        # one, else they go out alone.
+        pending = dict(zip(launched.prompt_requests, prompt_lps, strict=True))
+        if result is not None:
+            for req, token, logprobs in zip(launched.requests, result.token_ids,
+                                            result.logprobs, strict=True):
+                req.num_pending -= 1
+                if req.status == RequestStatus.FINISHED:
+                    continue  # aborted, failed, or stopped while this step ran
+                req.output_token_ids.append(token)
+                finish, stop_reason = self._check_stop(req, token)
+                outputs.append(EngineCoreOutput(
+                    request_id=req.request_id,
+                    new_token_ids=[token],
+                    new_logprobs=[logprobs] if logprobs is not None else None,
+                    finish_reason=finish,
+                    stop_reason=stop_reason,
+                    num_prompt_tokens=len(req.prompt_token_ids),
+                    prompt_logprobs=pending.pop(req, None),
+                ))
+                if finish is not None:
+                    self.scheduler.finish(req)
+                    del self.requests[req.request_id]
+        for req, lps in pending.items():
             if req.status == RequestStatus.FINISHED:
-                continue  # aborted, failed, or stopped while this step ran
-            req.output_token_ids.append(token)
-            finish, stop_reason = self._check_stop(req, token)
+                continue
             outputs.append(EngineCoreOutput(
-                request_id=req.request_id,
-                new_token_ids=[token],
-                new_logprobs=[logprobs] if logprobs is not None else None,
-                finish_reason=finish,
-                stop_reason=stop_reason,
-                num_prompt_tokens=len(req.prompt_token_ids),
+                request_id=req.request_id, new_token_ids=[],
+                num_prompt_tokens=len(req.prompt_token_ids), prompt_logprobs=lps,
             ))
-            if finish is not None:
-                self.scheduler.finish(req)
-                del self.requests[req.request_id]
 
     def _check_stop(self, req: Request, token: int) -> tuple[FinishReason | None, int | None]:
         params = req.sampling_params
@@ -402,6 +427,23 @@ class EngineCore:
 class _LaunchedStep:
     requests: list[Request]  # those that sample, in the batch's row order
     batch: SampledBatch | None
+    # Those that read prompt logprobs, in the prompt batch's order.
+    prompt_requests: list[Request] = field(default_factory=list)
+    prompt_batch: PromptLogprobsBatch | None = None
+
+
+def _prompt_logprobs_input(req: Request, start: int, n: int) -> PromptLogprobsInput | None:
+    """What a chunk of `n` tokens from `start` reads for the request's prompt
+    logprobs: position i's logits give prompt token i + 1, for the positions not
+    sent before."""
+    k = req.sampling_params.prompt_logprobs
+    if k is None:
+        return None
+    lo = max(start, req.num_prompt_logprobs_sent)
+    hi = min(start + n, len(req.prompt_token_ids) - 1)
+    if lo >= hi:
+        return None
+    return PromptLogprobsInput(k, lo - start, req.prompt_token_ids[lo + 1:hi + 1])
 
 
 def _check_token_ids(what: str, token_ids: list[int], vocab: int) -> None:

@@ -37,6 +37,16 @@ class CompletionOutput:
 
 
 @dataclass
+class Logprob:
+    """A token's logprob at a prompt position, its rank there (1: the most likely)
+    and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -44,6 +54,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     lora_request: LoRARequest | None = None
+    # With SamplingParams.prompt_logprobs, as vLLM gives them: None for the first
+    # prompt token, then per prompt token {token_id: Logprob}, the prompt token
+    # first, then the top-k alternatives.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -93,6 +107,8 @@ class OutputProcessor:
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         parent = _ParentState(request_id, prompt, prompt_token_ids, lora_request)
+        if params.prompt_logprobs is not None:
+            parent.output.prompt_logprobs = [None]
         self._parents[request_id] = parent
         requests = []
         for i in range(params.n):
@@ -100,8 +116,11 @@ class OutputProcessor:
             child_params = params
             if params.n > 1:
                 # Each child samples on its own; a seed stays reproducible per child.
+                # The prompt, the same for all, has its logprobs computed once.
                 seed = None if params.seed is None else params.seed + i
-                child_params = msgspec.structs.replace(params, n=1, seed=seed)
+                child_params = msgspec.structs.replace(
+                    params, n=1, seed=seed,
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             child = _ChildState(parent, i, child_params)
             child.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, child_params.skip_special_tokens
@@ -146,6 +165,13 @@ class OutputProcessor:
             if child is None or child.out.finished:
                 continue  # aborted meanwhile, or already stopped by a stop string
             parent = child.parent
+            if eco.prompt_logprobs is not None and parent.output.prompt_logprobs is not None:
+                parent.output.prompt_logprobs.extend(
+                    self._prompt_logprobs(eco.prompt_logprobs))
+            if not eco.new_token_ids and eco.finish_reason is None:
+                # Prompt logprobs of a prefill chunk: they are reported with the
+                # first token, so that a consumer sees them whole.
+                continue
             if parent.output.request_id not in touched:
                 # Deltas are per call: clear them in every child of a parent that
                 # reports now (only those; the others are not read).
@@ -161,6 +187,20 @@ class OutputProcessor:
             result.request_outputs.append(parent.output)
             if parent.output.finished:
                 self._forget(rid)
+        return result
+
+    def _prompt_logprobs(
+        self, positions: list[list[tuple[int, float, int]]]
+    ) -> list[dict[int, Logprob]]:
+        result = []
+        for entries in positions:
+            position: dict[int, Logprob] = {}
+            for token_id, logprob, rank in entries:
+                # The prompt token may be among the top-k too: keep its first entry.
+                if token_id not in position:
+                    position[token_id] = Logprob(logprob, rank,
+                                                 self.tokenizer.decode([token_id]))
+            result.append(position)
         return result
 
     def _update_child(self, child: _ChildState, eco: EngineCoreOutput) -> bool:

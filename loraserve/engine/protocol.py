@@ -45,6 +45,11 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     # Why an ERROR happened, in words a client can act on.
     error: str | None = None
     num_prompt_tokens: int = 0
+    # Only when the request asked for prompt logprobs: per prompt token this step's
+    # chunk predicts, in prompt order (the first prompt token has none),
+    # [(token_id, logprob, rank), ...]: the prompt token first, then the top-k
+    # alternatives. A step may carry them without any new token.
+    prompt_logprobs: list[list[tuple[int, float, int]]] | None = None
 
     @property
     def finished(self) -> bool:

@@ -42,6 +42,9 @@ class Request:
     # so far, kept through preemption, and how many of block_ids are in the cache.
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
+    # Prompt logprobs: the prompt positions whose logprobs are already on their way
+    # (a recomputation after preemption does not send them again).
+    num_prompt_logprobs_sent: int = 0
 
     @classmethod
     def from_engine_request(cls, req: EngineCoreRequest) -> Request:

@@ -63,6 +63,8 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = False
     best_of: Int64 | None = None
     suffix: str | None = None
+    # vLLM's extra: the logprobs of the prompt's tokens, with the top k at each.
+    prompt_logprobs: Int64 | None = None
     # vLLM's extra: False tokenizes the prompt without BOS and the like.
     add_special_tokens: bool = True
 
@@ -112,12 +114,21 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's shape: None for the first prompt token, then per prompt token
+    # {token id: PromptLogprob}, the prompt token first, then the top k.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -8,7 +8,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,7 +81,6 @@ _UNSET = object()
 VLLM_FIELDS_NOT_SUPPORTED: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "prompt_logprobs": None,
     "allowed_token_ids": None,
     "bad_words": None,
     "truncate_prompt_tokens": None,
@@ -104,6 +103,7 @@ VLLM_FIELDS_NOT_SUPPORTED: dict[str, Any] = {
     "mm_processor_kwargs": None,
 }
 CHAT_FIELDS_NOT_SUPPORTED: dict[str, Any] = {
+    "prompt_logprobs": None,
     "echo": False,
     "best_of": 1,
     "reasoning_effort": None,
@@ -111,7 +111,7 @@ CHAT_FIELDS_NOT_SUPPORTED: dict[str, Any] = {
 _WHY_NOT_SUPPORTED = {
     "use_beam_search": "loraserve samples every sequence on its own; use n with sampling "
                        "parameters instead",
-    "prompt_logprobs": "loraserve returns the logprobs of generated tokens only",
+    "prompt_logprobs": "loraserve returns prompt logprobs on /v1/completions only",
 }
 
 
@@ -223,6 +223,7 @@ def build_sampling_params(
     logprobs: int | None,
     vocab_size: int,
     defaults: dict[str, Any] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams from an OpenAI request; invalid values become a 400.
 
@@ -235,10 +236,10 @@ def build_sampling_params(
         value = getattr(request, name)
         return value if value is not None else defaults.get(name, fallback)
 
-    if logprobs is not None and logprobs > MAX_LOGPROBS:
-        raise bad_request(
-            f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}.", param="logprobs"
-        )
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and value > MAX_LOGPROBS:
+            raise bad_request(f"{name} must be at most {MAX_LOGPROBS}, got {value}.",
+                              param=name)
     fields: dict[str, Any] = {
         "n": request.n,
         "temperature": pick("temperature", 1.0),
@@ -255,6 +256,7 @@ def build_sampling_params(
         "stop_token_ids": request.stop_token_ids,
         "ignore_eos": request.ignore_eos,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "skip_special_tokens": request.skip_special_tokens,
         "include_stop_str_in_output": request.include_stop_str_in_output,
     }
@@ -323,6 +325,11 @@ def finish_error(outputs: list[Any]) -> APIError | None:
 async def final_outputs(streams: list[AsyncIterator[Any]]) -> list[list[Any]]:
     """Run the streams of a non-streamed request to the end: each one's sequences,
     in index order. A sequence the engine failed raises its 400, a dead engine 503."""
+    return [final.outputs for final in await final_request_outputs(streams)]
+
+
+async def final_request_outputs(streams: list[AsyncIterator[Any]]) -> list[Any]:
+    """final_outputs, as each stream's last RequestOutput (sequences in index order)."""
     finals: dict[int, Any] = {}
     try:
         async for index, output in merge_streams(streams):
@@ -335,7 +342,7 @@ async def final_outputs(streams: list[AsyncIterator[Any]]) -> list[list[Any]]:
         error = finish_error(outputs)
         if error is not None:
             raise error
-        results.append(outputs)
+        results.append(replace(finals[i], outputs=outputs))
     return results
 
 

@@ -13,6 +13,7 @@ from loraserve.entrypoints.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
     UsageInfo,
     random_id,
 )
@@ -25,7 +26,7 @@ from loraserve.entrypoints.serving_common import (
     check_unsupported,
     chosen_and_top,
     context_length_exceeded,
-    final_outputs,
+    final_request_outputs,
     finish_error,
     merge_streams,
     resolve_max_tokens,
@@ -84,8 +85,10 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request("suffix is not supported by this server.", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise bad_request("best_of must be unset or equal to n.", param="best_of")
-        if request.echo and request.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported.", param="echo")
+        if request.stream and request.prompt_logprobs is not None:
+            # As vLLM: a streamed answer has no place for them.
+            raise bad_request("prompt_logprobs are not available when stream is true.",
+                              param="prompt_logprobs")
         response_format = getattr(request, "response_format", None)
         if response_format and response_format.get("type", "text") != "text":
             raise bad_request("Only response_format type 'text' is supported.",
@@ -99,6 +102,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 request.logprobs,
                 self.limits.vocab_size,
                 self.sampling_defaults,
+                _engine_prompt_logprobs(request),
             )
             for _, ids in prompts
         ]
@@ -128,19 +132,27 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> CompletionResponse:
         choices = []
         completion_tokens = 0
-        for i, outputs in enumerate(await final_outputs(streams)):
-            for out in outputs:
+        for i, final in enumerate(await final_request_outputs(streams)):
+            shown_prompt_logprobs = None
+            if request.prompt_logprobs is not None:
+                shown_prompt_logprobs = _prompt_logprobs(
+                    final.prompt_logprobs, request.prompt_logprobs, token_text)
+            for out in final.outputs:
                 prefix = (prompts[i][0] or "") if request.echo else ""
                 logprobs = None
                 if request.logprobs is not None:
                     logprobs = _logprobs(out.token_ids, out.logprobs, request.logprobs,
                                          token_text, len(prefix))
+                    if request.echo:
+                        logprobs = _echoed(prompts[i][1], final.prompt_logprobs,
+                                           request.logprobs, token_text, logprobs)
                 choices.append(CompletionChoice(
                     index=i * request.n + out.index,
                     text=prefix + out.text,
                     logprobs=logprobs,
                     finish_reason=out.finish_reason,
                     stop_reason=out.stop_reason,
+                    prompt_logprobs=shown_prompt_logprobs,
                 ))
                 completion_tokens += len(out.token_ids)
         prompt_tokens = sum(len(ids) for _, ids in prompts)
@@ -175,7 +187,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     if out.finish_reason == "error":
                         raise finish_error([out])
                     text = out.delta_text
-                    if index not in offsets:
+                    first_chunk = index not in offsets
+                    if first_chunk:
                         offsets[index] = 0
                         if request.echo:
                             text = (prompts[i][0] or "") + text
@@ -188,8 +201,15 @@ class OpenAIServingCompletion(OpenAIServing):
                         continue
                     logprobs = None
                     if request.logprobs is not None:
+                        start = len(text) - len(out.delta_text)  # the echoed prompt
                         logprobs = _logprobs(out.delta_token_ids, out.delta_logprobs,
-                                             request.logprobs, token_text, offsets[index])
+                                             request.logprobs, token_text,
+                                             offsets[index] + start)
+                        if request.echo and first_chunk:
+                            # The prompt's tokens all come back before the first
+                            # generated one (see OutputProcessor).
+                            logprobs = _echoed(prompts[i][1], output.prompt_logprobs,
+                                               request.logprobs, token_text, logprobs)
                     offsets[index] += len(text)
                     if out.finish_reason is not None:
                         finished.add(index)
@@ -241,4 +261,63 @@ def _logprobs(
         result.top_logprobs.append({token_text(t): lp for t, lp in chosen_and_top(entry, k)})
         result.text_offset.append(offset)
         offset += len(text)
+    return result
+
+
+def _engine_prompt_logprobs(request: CompletionRequest) -> int | None:
+    """The prompt logprobs the engine computes: those asked, and those echo with
+    logprobs lists for the prompt's tokens."""
+    wanted = [k for k in (request.prompt_logprobs,
+                          request.logprobs if request.echo else None) if k is not None]
+    return max(wanted) if wanted else None
+
+
+def _top_of(position: dict[int, Any], k: int) -> list[tuple[int, Any]]:
+    """The prompt token (first) and the k most likely: the engine may have
+    computed more alternatives than this answer shows."""
+    entries = list(position.items())
+    return entries[:1] + [(t, lp) for t, lp in entries[1:] if lp.rank <= k]
+
+
+def _prompt_logprobs(
+    positions: list[dict[int, Any] | None] | None, k: int, token_text: TokenText
+) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's prompt_logprobs: keyed by token id (as a string), with the token's text."""
+    return [
+        None if position is None else {
+            str(token_id): PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                         decoded_token=token_text(token_id))
+            for token_id, lp in _top_of(position, k)
+        }
+        for position in positions or [None]
+    ]
+
+
+def _echoed(
+    prompt_ids: list[int],
+    positions: list[dict[int, Any] | None] | None,
+    k: int,
+    token_text: TokenText,
+    generated: CompletionLogprobs,
+) -> CompletionLogprobs:
+    """The echoed prompt's tokens first (the first has no logprob: nothing precedes
+    it), their offsets from the start of the text, then the generated ones."""
+    result = CompletionLogprobs()
+    offset = 0
+    for token_id, position in zip(prompt_ids, positions or [], strict=True):
+        text = token_text(token_id)
+        result.tokens.append(text)
+        result.text_offset.append(offset)
+        offset += len(text)
+        if position is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            continue
+        result.token_logprobs.append(position[token_id].logprob)
+        result.top_logprobs.append(
+            {token_text(t): lp.logprob for t, lp in _top_of(position, k)})
+    result.tokens += generated.tokens
+    result.token_logprobs += generated.token_logprobs
+    result.top_logprobs += generated.top_logprobs
+    result.text_offset += generated.text_offset
     return result

@@ -21,6 +21,15 @@ class SeqInput:
     lora_name: str | None
     # Set when this chunk ends the known tokens, so the step samples a new token.
     sampling: SamplingRow | None
+    # Set when the request wants prompt logprobs and this chunk predicts prompt tokens.
+    prompt_logprobs: PromptLogprobsInput | None = None
+
+
+@dataclass
+class PromptLogprobsInput:
+    num_top: int  # top-k alternatives per position
+    first: int  # index in the chunk of the first position whose logits are read
+    targets: list[int]  # the prompt token each of those positions predicts, in order
 
 
 @dataclass

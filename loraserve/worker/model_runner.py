@@ -29,7 +29,12 @@ from loraserve.worker.attention import (
 )
 from loraserve.worker.backend import select_backend
 from loraserve.worker.input_batch import PENDING_TOKEN, StepInput
-from loraserve.worker.sampler import SampledBatch, Sampler
+from loraserve.worker.sampler import (
+    PromptLogprobsBatch,
+    SampledBatch,
+    Sampler,
+    prompt_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +57,12 @@ class PreparedInputs:
     # row in the previous step's sampled ids, which are still on the device.
     pending_dst: list[int] = field(default_factory=list)
     pending_src: list[int] = field(default_factory=list)
+    # Prompt logprobs: the rows of the hidden states whose logits are read, the
+    # prompt token each predicts, and per asking sequence its row count and top-k.
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_counts: list[int] = field(default_factory=list)
+    prompt_num_top: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -199,19 +210,36 @@ class ModelRunner:
             inputs.token_lora_slots.extend([slot] * n)
             if seq.sampling is not None:
                 inputs.sample_indices.append(inputs.query_start_loc[-1] - 1)
+            plp = seq.prompt_logprobs
+            if plp is not None and plp.targets:
+                first = inputs.query_start_loc[-2] + plp.first
+                inputs.prompt_rows.extend(range(first, first + len(plp.targets)))
+                inputs.prompt_targets.extend(plp.targets)
+                inputs.prompt_counts.append(len(plp.targets))
+                inputs.prompt_num_top.append(plp.num_top)
             if n != 1 or seq.sampling is None:
                 inputs.is_decode = False
         return inputs
 
-    @torch.no_grad()
     def launch(self, step: StepInput, lora_slots: dict[str, int]) -> SampledBatch | None:
         """Queue the step's forward pass and sampling on the device without
         waiting for them; None when no sequence samples this step."""
+        return self.launch_step(step, lora_slots)[0]
+
+    @torch.no_grad()
+    def launch_step(
+        self, step: StepInput, lora_slots: dict[str, int]
+    ) -> tuple[SampledBatch | None, PromptLogprobsBatch | None]:
+        """`launch`, plus the prompt logprobs of the sequences that asked for them
+        (None when none did)."""
         inputs = self.prepare(step, lora_slots)
         sampling = [s for s in step.seqs if s.sampling is not None]
         rows = [s.sampling for s in sampling]
         graphs = self.graphs
         batch = None
+        prompt_lps = None
+        # A sequence reading prompt logits has a chunk without sampling or longer
+        # than one token: such a step is never a decode step, so never a graph.
         if graphs is not None and inputs.is_decode and graphs.fits(len(step.seqs)):
             logits = graphs.run(inputs)
             if self.sampler.argmax_suffices(rows):
@@ -219,9 +247,13 @@ class ModelRunner:
                 batch = self.sampler.from_argmax(graphs.sampled[: len(rows)])
         else:
             hidden = self._forward_eager(inputs)
+            if inputs.prompt_rows:
+                prompt_lps = prompt_logprobs(
+                    self.model.compute_logits, hidden[self.to_device(inputs.prompt_rows)],
+                    inputs.prompt_targets, inputs.prompt_counts, inputs.prompt_num_top)
             if not sampling:
                 self._last_sampled, self._last_rows = None, {}
-                return None
+                return None, prompt_lps
             logits = self.model.compute_logits(hidden[self.to_device(inputs.sample_indices)])
         if batch is None:
             batch = self.sampler.sample(logits, rows)
@@ -230,7 +262,7 @@ class ModelRunner:
                 graphs.sampled[: len(rows)].copy_(batch.token_ids)
         self._last_sampled = batch.token_ids
         self._last_rows = {s.request_id: i for i, s in enumerate(sampling)}
-        return batch
+        return batch, prompt_lps
 
     def host_tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         """Host inputs go through pinned memory: a copy from pageable memory may wait

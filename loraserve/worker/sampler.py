@@ -233,3 +233,84 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
 def _stop_ids_masked(row: SamplingRow) -> bool:
     """min_tokens not reached yet: the stop ids and EOS cannot be sampled."""
     return len(row.output_token_ids) + row.num_pending < row.params.min_tokens
+
+
+# Rows of prompt logits turned into logprobs at a time: bounds the fp32 copy of
+# the logits that log_softmax needs (rows x vocabulary).
+_PROMPT_LOGPROBS_ROWS = 512
+
+
+@dataclass
+class PromptLogprobsBatch:
+    """One step's prompt logprobs on their way to the host, like SampledBatch:
+    per computed position the logprob and rank of the next prompt token and the
+    top-k alternatives, for the sequences that asked (`counts` positions each, in
+    step order, with their own k)."""
+
+    counts: list[int]
+    num_top: list[int]
+    chosen_ids: list[int]
+    chosen: torch.Tensor  # [P]
+    ranks: torch.Tensor  # [P]
+    top_ids: torch.Tensor | None  # [P, max k]
+    top_vals: torch.Tensor | None
+    ready: torch.cuda.Event | None = None
+
+    def to_host(self) -> list[list[list[tuple[int, float, int]]]]:
+        """Per sequence, per position: [(prompt token, logprob, rank), (top-1 id,
+        logprob, 1), ...]."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        top_vals = self.top_vals.tolist() if self.top_vals is not None else None
+        result, row = [], 0
+        for count, k in zip(self.counts, self.num_top, strict=True):
+            seq = []
+            for _ in range(count):
+                entry = [(self.chosen_ids[row], chosen[row], ranks[row])]
+                if k:
+                    entry += [(t, v, r + 1) for r, (t, v) in
+                              enumerate(zip(top_ids[row][:k], top_vals[row][:k], strict=True))]
+                seq.append(entry)
+                row += 1
+            result.append(seq)
+        return result
+
+
+@torch.no_grad()
+def prompt_logprobs(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    targets: list[int],
+    counts: list[int],
+    num_top: list[int],
+) -> PromptLogprobsBatch:
+    """Logprobs of `targets` (the next prompt token at each row of `hidden`) from
+    the fp32 log-softmax of the logits, their ranks (the number of tokens at least
+    as likely, itself included, as vLLM counts them) and the top max(num_top)
+    alternatives, queued for the host."""
+    dev = hidden.device
+    k = max(num_top, default=0)
+    target_t = torch.tensor(targets, dtype=torch.long).to(dev, non_blocking=True)
+    chosen, ranks, top_ids, top_vals = [], [], [], []
+    for start in range(0, len(targets), _PROMPT_LOGPROBS_ROWS):
+        end = start + _PROMPT_LOGPROBS_ROWS
+        logprobs = torch.log_softmax(compute_logits(hidden[start:end]).float(), dim=-1)
+        picked = logprobs.gather(1, target_t[start:end, None])
+        chosen.append(picked.squeeze(1))
+        ranks.append((logprobs >= picked).sum(dim=-1))
+        if k:
+            top = torch.topk(logprobs, k)
+            top_ids.append(top.indices)
+            top_vals.append(top.values)
+    batch = PromptLogprobsBatch(
+        counts, num_top, list(targets),
+        _to_host_async(torch.cat(chosen)), _to_host_async(torch.cat(ranks)),
+        _to_host_async(torch.cat(top_ids)) if k else None,
+        _to_host_async(torch.cat(top_vals)) if k else None,
+    )
+    if dev.type == "cuda":
+        batch.ready = torch.cuda.Event()
+        batch.ready.record()
+    return batch
