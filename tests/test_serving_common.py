@@ -3,11 +3,11 @@ streams end, streamed and not."""
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
 
 from loraserve.engine.core_client import EngineDeadError
+from loraserve.engine.output_processor import CompletionOutput, RequestOutput
 from loraserve.entrypoints.errors import APIError, bad_request
 from loraserve.entrypoints.serving_common import SSE_DONE, final_outputs, sse_events
 
@@ -46,9 +46,9 @@ def test_sse_events_turn_an_error_into_an_error_event_then_done(failure, code):
 
 def request_stream(*finish_reasons, error=None):
     async def stream():
-        outputs = [SimpleNamespace(index=i, finish_reason=r, error=error)
+        outputs = [CompletionOutput(index=i, finish_reason=r, error=error)
                    for i, r in reversed(list(enumerate(finish_reasons)))]
-        yield SimpleNamespace(outputs=outputs)
+        yield RequestOutput("r", None, [1], outputs, finished=True)
 
     return stream()
 
