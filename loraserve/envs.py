@@ -22,9 +22,9 @@ class EnvVar:
         """The value now: the environment's if it is set and not empty, else the default."""
         return os.environ.get(self.name) or self.default
 
-    def is_set(self) -> bool:
-        """Whether the variable is in the environment at all (even empty)."""
-        return self.name in os.environ
+    def raw(self) -> str | None:
+        """The environment's value as it is (even empty); None when it is unset."""
+        return os.environ.get(self.name)
 
     def flag(self) -> bool:
         """The value read as a switch: 1, true, yes or on (any case) turn it on."""

@@ -305,7 +305,7 @@ class EngineCore:
             self.loras.set_active(step.lora_names(), self.scheduler.running_loras())
             if self.loras else {}
         )
-        batch, prompt_batch = self.runner.launch_step(step, slots)
+        batch, prompt_batch = self.runner.launch(step, slots)
         for req, n in scheduled:
             req.num_computed_tokens += n
             self.kv.cache_computed_blocks(req)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import abc
 import logging
-import os
 from collections.abc import Callable, Iterable, KeysView
 from importlib.metadata import EntryPoint, entry_points
 
@@ -98,9 +97,9 @@ def plugin_entry_points() -> list[EntryPoint]:
 
 def selected_plugin_names() -> list[str] | None:
     """The plugin names in LORASERVE_PLUGINS; None when it is unset (all plugins)."""
-    if not envs.PLUGINS.is_set():
+    value = envs.PLUGINS.raw()
+    if value is None:
         return None
-    value = os.environ[ENV_PLUGINS]
     return [name.strip() for name in value.split(",") if name.strip()]
 
 

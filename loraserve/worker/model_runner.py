@@ -221,17 +221,13 @@ class ModelRunner:
                 inputs.is_decode = False
         return inputs
 
-    def launch(self, step: StepInput, lora_slots: dict[str, int]) -> SampledBatch | None:
-        """Queue the step's forward pass and sampling on the device without
-        waiting for them; None when no sequence samples this step."""
-        return self.launch_step(step, lora_slots)[0]
-
     @torch.no_grad()
-    def launch_step(
+    def launch(
         self, step: StepInput, lora_slots: dict[str, int]
     ) -> tuple[SampledBatch | None, PromptLogprobsBatch | None]:
-        """`launch`, plus the prompt logprobs of the sequences that asked for them
-        (None when none did)."""
+        """Queue the step's forward pass and sampling on the device without waiting
+        for them: the sampled batch (None when no sequence samples this step) and the
+        prompt logprobs of the sequences that asked for them (None when none did)."""
         inputs = self.prepare(step, lora_slots)
         sampling = [s for s in step.seqs if s.sampling is not None]
         rows = [s.sampling for s in sampling]
