@@ -22,6 +22,11 @@ def base_server(llama_dir, env=None) -> ServerProcess:
     return ServerProcess([llama_dir, "--served-model-name", "base"], env=env)
 
 
+def running_requests(server) -> int:
+    stats = httpx.get(server.url + "/v1/engine_stats", timeout=5).json()
+    return stats["scheduler"]["num_running"]
+
+
 def start_long_stream(server) -> threading.Thread:
     def run() -> None:
         try:
@@ -82,14 +87,10 @@ def test_engine_death_answers_503_and_sigterm_still_stops(llama_dir):
 
         thread = threading.Thread(target=in_flight, daemon=True)
         thread.start()
-        # A stream sent just after it shows when the engine is decoding both: kill
-        # then, long before 400 tokens are done (a fixed sleep races a fast engine).
-        time.sleep(0.05)
-        with httpx.stream("POST", server.url + "/v1/completions",
-                          json={"model": "base", "stream": True, **LONG},
-                          timeout=30) as stream:
-            next(stream.iter_lines())
-            os.kill(engine, signal.SIGKILL)
+        # Kill once the scheduler shows the request running, long before its 400
+        # tokens are done (a fixed sleep races a fast engine and a slow one alike).
+        assert wait_until(lambda: running_requests(server) >= 1, 20)
+        os.kill(engine, signal.SIGKILL)
         thread.join(timeout=20)
         # The request that was running when the engine died is answered, with 503.
         assert result["response"].status_code == 503
