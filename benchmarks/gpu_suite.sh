@@ -34,9 +34,13 @@
 #             adds a cProfile of each start, which slows the host side)
 #   firstuse  the Triton compiles on requests' paths after start-up, LoRA engine as served
 #             (first_use.py)
-#   serve     a LoRA server; ITL at batch 1 and 64 with and without LoRA, and the
-#             fixed-rate serving benchmark with 8 and 64 adapters under --max-loras 8
-#             (SERVE_BENCHES picks some of them by name, RATE sets the request rate)
+#   serve     one LoRA server (32 adapters, --max-loras 32) under continuous load from
+#             serve.py: alternating base and LoRA phases at concurrency 4 (ITL at low
+#             load), 16 and 64 and at a Poisson rate (RATE, default 16/s); input
+#             128-1024, output 64-256 tokens (SERVE_BENCHES picks some by name,
+#             SERVER_ARGS adds server flags)
+#   steps     base against LoRA per kind of step: host, wall and device time of decode
+#             steps and of decode plus a prefill chunk (profile_steps.py; STEPS_ARGS)
 set -uo pipefail
 OUT=${RESULTS_DIR:-gpu_results}
 mkdir -p "$OUT"
@@ -104,12 +108,11 @@ if has attention; then
   echo "attention rc=$?" >> "$OUT/attention.log"
 fi
 
-if has profile || has decode32 || has timeline || has offprof || has offline || has startup || has firstuse || has serve; then
+if has profile || has decode32 || has timeline || has offprof || has offline || has startup || has firstuse || has serve || has steps; then
   stamp setup
-  # The serving runs pick from 64 adapters; the offline runs use the first 32. Runs repeat
-  # their prompts, so the benchmarks turn the prefix cache off: it would serve the repeats.
-  python3 benchmarks/make_bench_setup.py --out /tmp/bench \
-      --num-adapters "${NUM_ADAPTERS:-$(has serve && echo 64 || echo 32)}" \
+  # The offline runs repeat their prompts, so they turn the prefix cache off (it would
+  # serve the repeats); serve.py gives every phase prompts of its own.
+  python3 benchmarks/make_bench_setup.py --out /tmp/bench --num-adapters "${NUM_ADAPTERS:-32}" \
       --rank 16 > "$OUT/setup.log" 2>&1
 fi
 
@@ -183,11 +186,13 @@ fi
 
 if has serve; then
   stamp serve
+  # Continuous load on one LoRA server: base and LoRA phases alternate, so that both see
+  # the same server in the same state. Variable lengths, 32 adapters in 32 slots.
   mods=()
   for d in "$ADAPTERS"/*/; do n=$(basename "$d"); mods+=("$n=$d"); done
-  python3 -m loraserve.cli serve $MODEL --load-format dummy --enable-lora --max-loras 8 --max-lora-rank 16 \
-      --max-cpu-loras 64 --port 8011 --no-enable-prefix-caching --lora-modules "${mods[@]}" \
-      > "$OUT/server.log" 2>&1 &
+  python3 -m loraserve.cli serve $MODEL --load-format dummy --enable-lora --max-loras 32 \
+      --max-lora-rank 16 --max-cpu-loras 32 --port 8011 --lora-modules "${mods[@]}" \
+      ${SERVER_ARGS:-} > "$OUT/server.log" 2>&1 &
   server=$!
   for _ in $(seq 300); do
     curl -sf http://127.0.0.1:8011/v1/models > /dev/null && break; sleep 1
@@ -196,21 +201,28 @@ if has serve; then
     local name=$1; shift
     [ -n "${SERVE_BENCHES:-}" ] && [[ " $SERVE_BENCHES " != *" $name "* ]] && return
     stamp "serve $name"
-    timeout 120 python3 benchmarks/serve.py http://127.0.0.1:8011 --input-len 512 \
-        --output-len 128 --json "$OUT/serve_$name.json" "$@" > "$OUT/serve_$name.log" 2>&1
+    timeout "${SERVE_TIMEOUT:-240}" python3 benchmarks/serve.py http://127.0.0.1:8011 \
+        --phases "${PHASES:-base,lora,base,lora}" --num-clients 4 \
+        --json "$OUT/serve_$name.json" "$@" > "$OUT/serve_$name.log" 2>&1
     echo "rc=$?" >> "$OUT/serve_$name.log"
   }
-  bench itl_b1_base --num-requests 16 --max-concurrency 1 --num-adapters 0 --warmup-requests 2
-  bench itl_b1_lora --num-requests 16 --max-concurrency 1 --num-adapters 8 --warmup-requests 2
-  bench itl_b64_base --num-requests 256 --max-concurrency 64 --num-adapters 0 \
-      --warmup-requests 8
-  bench itl_b64_lora --num-requests 256 --max-concurrency 64 --num-adapters 8 \
-      --warmup-requests 8
-  bench rate_8adapters --num-requests 256 --request-rate "${RATE:-8}" --arrival fixed \
-      --num-adapters 8
-  bench rate_64adapters --num-requests 256 --request-rate "${RATE:-8}" --arrival fixed \
-      --num-adapters 64
+  bench c4 --num-requests 32 --max-concurrency 4 --input-len 512 \
+      --output-len 128 --warmup-requests 4
+  bench c16 --num-requests 256 --max-concurrency 16 --input-len 128:1024 --output-len 64:256
+  bench c64 --num-requests 256 --max-concurrency 64 --input-len 128:1024 --output-len 64:256
+  bench poisson --num-requests 256 --request-rate "${RATE:-16}" --input-len 128:1024 \
+      --output-len 64:256
   kill -INT $server; wait $server
+fi
+
+if has steps; then
+  stamp steps
+  # Base against LoRA per kind of step (decode only, decode plus a prefill chunk):
+  # host, wall and device time of one step.
+  (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 profile_steps.py --model $MODEL \
+      --load-format dummy --adapters $ADAPTERS --json "$OUT/steps.json" ${STEPS_ARGS:-}) \
+      > "$OUT/steps.log" 2>&1
+  echo "steps rc=$?" >> "$OUT/steps.log"
 fi
 stamp done
 tail -n 4 "$OUT"/*.log

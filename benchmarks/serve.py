@@ -10,6 +10,15 @@ and reports request and token throughput, TTFT, TPOT, ITL and end-to-end latency
     python benchmarks/serve.py http://127.0.0.1:8000 --num-requests 512 \
         --request-rate 8 --arrival fixed --num-adapters 64 --adapter-dist zipf \
         --input-len 512 --output-len 128 --json serve.json
+
+Lengths may be ranges (``--input-len 128:1024`` draws each prompt's length
+uniformly). ``--phases base,lora,base,lora`` runs the workload once per phase
+in one invocation, each phase sending every request to the base model or to the
+adapters, and reports the ratio of the LoRA phases' median output throughput to
+the base phases' (``Served LoRA/base``): alternating phases on one server cancel
+drift of the machine. ``--num-clients N`` splits each run over N client
+processes (each with its share of --max-concurrency), so that the client's own
+Python does not bound a fast server.
 """
 
 from __future__ import annotations
@@ -18,9 +27,11 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import platform
 import random
 import shlex
+import statistics
 import sys
 import time
 from collections import Counter
@@ -121,6 +132,7 @@ class RequestRecord:
     index: int
     model: str
     prompt_len: int
+    max_tokens: int
     scheduled_s: float  # planned send time, from the start of the run
     start_s: float = 0.0  # actual send time, from the start of the run
     success: bool = False
@@ -261,17 +273,21 @@ def machine() -> str:
 # ---------------------------------------------------------------- the run
 
 
-async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the whole benchmark; returns the results that --json writes."""
+@dataclass
+class Target:
+    """What every run of one invocation talks to."""
+
+    url: str  # the completions endpoint
+    headers: dict[str, str]
+    base: str
+    adapters: list[str]
+    vocab_size: int
+
+
+async def discover(args: argparse.Namespace) -> Target:
     base_url = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    # No connection cap: httpx's default pool of 100 would queue requests inside
-    # the client, and that wait would be counted as server latency.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    # The set-up calls get at least 30 s; each completion is bounded as a whole
-    # by --request-timeout in stream_completion.
-    timeout = httpx.Timeout(max(args.request_timeout, 30.0))
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
         try:
             base, server_adapters, max_model_len = await discover_models(client, base_url,
                                                                          headers)
@@ -290,87 +306,194 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 raise SystemExit(f"--num-adapters {args.num_adapters} but only "
                                  f"{len(adapters)} adapters: {adapters}")
             adapters = adapters[:args.num_adapters]
-        if max_model_len and args.input_len + args.output_len > max_model_len:
-            raise SystemExit(f"input {args.input_len} + output {args.output_len} tokens "
+        if args.phases and "lora" in args.phases and not adapters:
+            raise SystemExit("--phases has a lora phase but the run has no adapters")
+        longest = args.input_len[1] + args.output_len[1]
+        if max_model_len and longest > max_model_len:
+            raise SystemExit(f"input {args.input_len[1]} + output {args.output_len[1]} tokens "
                              f"exceed max_model_len {max_model_len}")
         vocab_size = args.vocab_size or await probe_vocab_size(client, base_url)
+    return Target(f"{base_url}/v1/completions", headers, base, adapters, vocab_size)
 
-        # Separate streams per purpose, so that changing one knob (say the rate)
-        # leaves the prompts and the model choices of a seed as they were.
-        seed = args.seed
-        models = pick_models(args.num_requests, base, adapters, args.adapter_dist, args.zipf_s,
-                             args.base_fraction, random.Random(f"{seed}-models"))
-        prompts = random_prompts(args.num_requests, args.input_len, vocab_size,
-                                 random.Random(f"{seed}-prompts"))
-        offsets = arrival_offsets(args.num_requests, args.request_rate, args.arrival,
-                                  random.Random(f"{seed}-arrivals"))
 
-        url = f"{base_url}/v1/completions"
+def payload(record: RequestRecord, prompt: list[int]) -> dict[str, Any]:
+    return {
+        "model": record.model, "prompt": prompt, "max_tokens": record.max_tokens,
+        "ignore_eos": True, "temperature": 0.0, "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
-        def payload(model: str, prompt: list[int]) -> dict[str, Any]:
-            return {
-                "model": model, "prompt": prompt, "max_tokens": args.output_len,
-                "ignore_eos": True, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True},
-            }
 
-        # Warm-up outside the timing, one request per model in turn.
-        warm_models = [base, *adapters]
-        warm_rng = random.Random(f"{seed}-warmup")
-        for i in range(args.warmup_requests):
-            warm = RequestRecord(-1, warm_models[i % len(warm_models)], args.input_len, 0.0)
-            prompt = random_prompts(1, args.input_len, vocab_size, warm_rng)[0]
-            await stream_completion(client, url, headers, payload(warm.model, prompt), warm,
-                                    time.perf_counter(), args.request_timeout)
-            if not warm.success:
-                raise SystemExit(f"warm-up request to {warm.model} failed: {warm.error}")
+def draw_lengths(num: int, bounds: tuple[int, int], rng: random.Random) -> list[int]:
+    low, high = bounds
+    return [rng.randint(low, high) for _ in range(num)]
 
-        records = [RequestRecord(i, models[i], args.input_len, offsets[i])
-                   for i in range(args.num_requests)]
-        semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+def plan_run(args: argparse.Namespace, target: Target, phase: str | None,
+             phase_index: int) -> tuple[list[RequestRecord], dict[int, list[int]]]:
+    """The requests of one run and their prompts. Separate random streams per
+    purpose, so that changing one knob (say the rate) leaves the prompts and the
+    model choices of a seed as they were. Every phase gets the same lengths and
+    send times but prompts of its own (a prefix cache would serve repeats)."""
+    seed, num = args.seed, args.num_requests
+    base_fraction = {None: args.base_fraction, "base": 1.0, "lora": 0.0}[phase]
+    models = pick_models(num, target.base, target.adapters, args.adapter_dist, args.zipf_s,
+                         base_fraction, random.Random(f"{seed}-models"))
+    input_lens = draw_lengths(num, args.input_len, random.Random(f"{seed}-input-lens"))
+    output_lens = draw_lengths(num, args.output_len, random.Random(f"{seed}-output-lens"))
+    prompt_rng = random.Random(f"{seed}-prompts" + (f"-{phase_index}" if phase else ""))
+    prompts = {i: random_prompts(1, n, target.vocab_size, prompt_rng)[0]
+               for i, n in enumerate(input_lens)}
+    offsets = arrival_offsets(num, args.request_rate, args.arrival,
+                              random.Random(f"{seed}-arrivals"))
+    records = [RequestRecord(i, models[i], input_lens[i], output_lens[i], offsets[i])
+               for i in range(num)]
+    return records, prompts
+
+
+async def send_requests(args: argparse.Namespace, target: Target, records: list[RequestRecord],
+                        prompts: dict[int, list[int]], max_concurrency: int | None) -> None:
+    """Send `records` at their scheduled times, at most max_concurrency at once."""
+    # No connection cap: httpx's default pool of 100 would queue requests inside
+    # the client, and that wait would be counted as server latency.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # Each completion is bounded as a whole by --request-timeout in stream_completion.
+    timeout = httpx.Timeout(max(args.request_timeout, 30.0))
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         run_start = time.perf_counter()
 
         async def one(record: RequestRecord) -> None:
             delay = run_start + record.scheduled_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            body = payload(record.model, prompts[record.index])
+            body = payload(record, prompts[record.index])
             if semaphore is None:
-                await stream_completion(client, url, headers, body, record, run_start,
-                                        args.request_timeout)
+                await stream_completion(client, target.url, target.headers, body, record,
+                                        run_start, args.request_timeout)
                 return
             async with semaphore:
-                await stream_completion(client, url, headers, body, record, run_start,
-                                        args.request_timeout)
+                await stream_completion(client, target.url, target.headers, body, record,
+                                        run_start, args.request_timeout)
 
         await asyncio.gather(*(one(r) for r in records))
-        duration = time.perf_counter() - run_start
-
-    return build_results(args, records, duration, base, adapters, vocab_size)
 
 
-def build_results(args: argparse.Namespace, records: list[RequestRecord], duration: float,
-                  base: str, adapters: list[str], vocab_size: int) -> dict[str, Any]:
-    ok = [r for r in records if r.success]
-    output_tokens = sum(r.output_tokens for r in ok)
-    input_tokens = sum(r.prompt_len for r in ok)
-    weights = adapter_weights(len(adapters), args.adapter_dist, args.zipf_s)
+def _send_share(job: tuple) -> list[RequestRecord]:
+    """One client process's share of a run (multiprocessing's entry point)."""
+    args, target, records, prompts, max_concurrency = job
+    asyncio.run(send_requests(args, target, records, prompts, max_concurrency))
+    return records
+
+
+def run_requests(args: argparse.Namespace, target: Target, records: list[RequestRecord],
+                 prompts: dict[int, list[int]]) -> tuple[list[RequestRecord], float]:
+    """Run one planned run; (the records, filled in, and the run's wall time)."""
+    clients = args.num_clients
+    start = time.perf_counter()
+    if clients == 1:
+        asyncio.run(send_requests(args, target, records, prompts, args.max_concurrency))
+        return records, time.perf_counter() - start
+    cap = args.max_concurrency
+    jobs = []
+    for k in range(clients):
+        share = records[k::clients]
+        limit = None if cap is None else cap // clients + (k < cap % clients)
+        jobs.append((args, target, share, {r.index: prompts[r.index] for r in share}, limit))
+    # fork: the module may have been loaded from a path (tests), which spawn
+    # could not import again; no client exists yet to be copied.
+    with multiprocessing.get_context("fork").Pool(clients) as pool:
+        shares = pool.map(_send_share, jobs)
+    duration = time.perf_counter() - start
+    return sorted((r for share in shares for r in share), key=lambda r: r.index), duration
+
+
+def warm_up(args: argparse.Namespace, target: Target) -> None:
+    """Untimed requests, one by one, one per model in turn."""
+    models = [target.base, *target.adapters]
+    rng = random.Random(f"{args.seed}-warmup")
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(max(args.request_timeout, 30.0))
+                                     ) as client:
+            for i in range(args.warmup_requests):
+                record = RequestRecord(-1, models[i % len(models)], args.input_len[0],
+                                       args.output_len[0], 0.0)
+                prompt = random_prompts(1, record.prompt_len, target.vocab_size, rng)[0]
+                await stream_completion(client, target.url, target.headers,
+                                        payload(record, prompt), record, time.perf_counter(),
+                                        args.request_timeout)
+                if not record.success:
+                    raise SystemExit(f"warm-up request to {record.model} failed: "
+                                     f"{record.error}")
+
+    asyncio.run(run())
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the whole benchmark; returns the results that --json writes."""
+    target = asyncio.run(discover(args))
+    warm_up(args, target)
+    if not args.phases:
+        records, duration = run_requests(args, target, *plan_run(args, target, None, 0))
+        results = build_results(records, duration, target.adapters, args)
+        return {**header(args, target), **results}
+    phases = []
+    for i, phase in enumerate(args.phases):
+        records, duration = run_requests(args, target, *plan_run(args, target, phase, i))
+        phase_adapters = target.adapters if phase == "lora" else []
+        phases.append({"phase": phase, **build_results(records, duration, phase_adapters,
+                                                         args)})
+    return {**header(args, target), **compare_phases(phases),
+            "failures": sum(p["failures"] for p in phases), "phases": phases}
+
+
+def header(args: argparse.Namespace, target: Target) -> dict[str, Any]:
+    weights = adapter_weights(len(target.adapters), args.adapter_dist, args.zipf_s)
     return {
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "machine": machine(),
         "base_url": args.base_url,
-        "base_model": base,
-        "adapters": adapters,
-        "adapter_probabilities": dict(zip(adapters, weights, strict=True)),
-        "vocab_size": vocab_size,
+        "base_model": target.base,
+        "adapters": target.adapters,
+        "adapter_probabilities": dict(zip(target.adapters, weights, strict=True)),
+        "vocab_size": target.vocab_size,
         "settings": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
                      for k, v in vars(args).items() if k not in ("api_key", "json")},
+    }
+
+
+def compare_phases(phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """LoRA against base over the phases: the ratio of the medians of each
+    kind's output throughput and ITL p99 (None without both kinds)."""
+    def median_of(kind: str, value) -> float | None:
+        values = [value(p) for p in phases if p["phase"] == kind]
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    out: dict[str, Any] = {}
+    for key, value in [("output_tok_per_s", lambda p: p["output_tok_per_s"]),
+                       ("itl_p99_ms", lambda p: p["itl"]["p99_ms"]),
+                       ("tpot_p50_ms", lambda p: p["tpot"]["p50_ms"]),
+                       ("ttft_p50_ms", lambda p: p["ttft"]["p50_ms"])]:
+        base, lora = median_of("base", value), median_of("lora", value)
+        out[f"base_{key}"], out[f"lora_{key}"] = base, lora
+        out[f"lora_over_base_{key}"] = lora / base if base and lora is not None else None
+    return out
+
+
+def build_results(records: list[RequestRecord], duration: float, adapters: list[str],
+                  args: argparse.Namespace) -> dict[str, Any]:
+    ok = [r for r in records if r.success]
+    output_tokens = sum(r.output_tokens for r in ok)
+    input_tokens = sum(r.prompt_len for r in ok)
+    return {
         "duration_s": duration,
         "num_requests": len(records),
         "completed": len(ok),
         "failures": len(records) - len(ok),
         "errors": sorted({r.error for r in records if r.error})[:10],
-        "output_len_mismatches": sum(r.output_tokens != args.output_len for r in ok),
+        "output_len_mismatches": sum(r.output_tokens != r.max_tokens for r in ok),
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,
         # Fewer chunks than tokens means the server merged tokens into one chunk
@@ -389,10 +512,13 @@ def build_results(args: argparse.Namespace, records: list[RequestRecord], durati
     }
 
 
-def format_table(results: dict[str, Any]) -> str:
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value:.2f}"
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
+
+def format_table(results: dict[str, Any]) -> str:
+    if "phases" in results:
+        return format_phases(results)
     rows = [
         ("Machine", results["machine"]),
         ("Base model", results["base_model"]),
@@ -409,14 +535,35 @@ def format_table(results: dict[str, Any]) -> str:
     ]
     for key, label in [("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E")]:
         stats = results[key]
-        rows += [(f"{label} mean (ms)", ms(stats["mean_ms"])),
-                 (f"{label} p50 (ms)", ms(stats["p50_ms"])),
-                 (f"{label} p99 (ms)", ms(stats["p99_ms"]))]
+        rows += [(f"{label} mean (ms)", _ms(stats["mean_ms"])),
+                 (f"{label} p50 (ms)", _ms(stats["p50_ms"])),
+                 (f"{label} p99 (ms)", _ms(stats["p99_ms"]))]
     width = max(len(name) for name, _ in rows) + 2
     lines = ["=" * (width + 24), *(f"{name:<{width}}{value}" for name, value in rows),
              "=" * (width + 24)]
     if results["errors"]:
         lines += ["Errors:", *(f"  {e}" for e in results["errors"])]
+    return "\n".join(lines)
+
+
+def format_phases(results: dict[str, Any]) -> str:
+    """A markdown table, one row a phase, and the LoRA/base summary lines."""
+    lines = [f"Machine: {results['machine']}", f"Command: {results['command']}", "",
+             "| phase | ok | output tok/s | TTFT p50 / p99 | TPOT p50 / p99 | ITL p50 / p99 |",
+             "|---|---|---|---|---|---|"]
+    for p in results["phases"]:
+        lines.append(
+            f"| {p['phase']} | {p['completed']}/{p['num_requests']} | "
+            f"{p['output_tok_per_s']:.1f} | "
+            + " | ".join(f"{_ms(p[k]['p50_ms'])} / {_ms(p[k]['p99_ms'])}"
+                         for k in ("ttft", "tpot", "itl")) + " |")
+    ratio = results["lora_over_base_output_tok_per_s"]
+    itl = results["lora_over_base_itl_p99_ms"]
+    lines += ["", f"Served LoRA/base: {'-' if ratio is None else f'{ratio:.3f}'}",
+              f"ITL p99 LoRA/base: {'-' if itl is None else f'{itl:.3f}'}"]
+    errors = sorted({e for p in results["phases"] for e in p["errors"]})
+    if errors:
+        lines += ["Errors:", *(f"  {e}" for e in errors[:10])]
     return "\n".join(lines)
 
 
@@ -428,6 +575,22 @@ def rate(value: str) -> float:
     if not parsed > 0:
         raise argparse.ArgumentTypeError("the request rate must be > 0 (or inf)")
     return parsed
+
+
+def lengths(value: str) -> tuple[int, int]:
+    """N, or LO:HI for lengths drawn uniformly from [LO, HI]."""
+    low, _, high = value.partition(":")
+    bounds = (int(low), int(high or low))
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError("a length is N or LO:HI with 1 <= LO <= HI")
+    return bounds
+
+
+def phase_list(value: str) -> list[str]:
+    phases = [p.strip() for p in value.split(",") if p.strip()]
+    if not phases or any(p not in ("base", "lora") for p in phases):
+        raise argparse.ArgumentTypeError("--phases is a comma-separated list of base and lora")
+    return phases
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -450,8 +613,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zipf-s", type=float, default=1.1, help="the Zipf exponent")
     p.add_argument("--base-fraction", type=float, default=0.0,
                    help="share of requests sent to the base model")
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--input-len", type=lengths, default=(512, 512),
+                   help="prompt tokens: N, or LO:HI drawn uniformly per request")
+    p.add_argument("--output-len", type=lengths, default=(128, 128),
+                   help="output tokens: N, or LO:HI drawn uniformly per request")
+    p.add_argument("--phases", type=phase_list, default=None,
+                   help="e.g. base,lora,base,lora: one run per phase, all to the base "
+                        "model or all to the adapters, and the LoRA/base ratio")
+    p.add_argument("--num-clients", type=int, default=1,
+                   help="client processes, each with its share of --max-concurrency")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="for the random prompts (default: probed through /detokenize)")
     p.add_argument("--warmup-requests", type=int, default=0,
@@ -462,8 +632,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
-    if args.num_requests < 1 or args.input_len < 1 or args.output_len < 1:
-        p.error("--num-requests, --input-len and --output-len must be at least 1")
+    if args.num_requests < 1:
+        p.error("--num-requests must be at least 1")
+    if args.num_clients < 1:
+        p.error("--num-clients must be at least 1")
+    if args.max_concurrency is not None and args.max_concurrency < args.num_clients:
+        p.error("--max-concurrency must be at least --num-clients")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         p.error("--max-concurrency must be at least 1")
     if args.num_adapters is not None and args.num_adapters < 0:
@@ -478,7 +652,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run from the command line (argv None) or from a test; returns the results."""
     args = parse_args(argv)
-    results = asyncio.run(run_benchmark(args))
+    results = run_benchmark(args)
     if argv is not None:
         # Called from Python: record the arguments that were really used.
         results["command"] = shlex.join(["python", "benchmarks/serve.py", *argv])

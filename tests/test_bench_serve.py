@@ -135,3 +135,35 @@ def test_arrivals_and_percentiles():
     assert bench.percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5
     assert bench.percentile([1.0, 2.0], 99) == pytest.approx(1.99)
     assert bench.percentile([], 50) is None
+
+
+def test_phases_with_length_ranges_over_two_clients(server, tmp_path):
+    """Alternating base and LoRA phases over two client processes: each phase sends
+    every request to its kind of model, with lengths drawn in the ranges (the same
+    draws in every phase), and the summary ratios come from the phases' figures."""
+    out = tmp_path / "phases.json"
+    results = bench.main([server.url, "--num-requests", "8", "--phases", "base,lora,base,lora",
+                          "--num-clients", "2", "--max-concurrency", "4",
+                          "--input-len", "4:24", "--output-len", "2:9",
+                          "--request-timeout", "60", "--seed", "5", "--json", str(out)])
+    assert json.loads(out.read_text())["phases"] == results["phases"]
+    assert results["failures"] == 0
+    phases = results["phases"]
+    assert [p["phase"] for p in phases] == ["base", "lora", "base", "lora"]
+    lengths = None
+    for phase in phases:
+        records = phase["requests"]
+        assert [r["index"] for r in records] == list(range(8))
+        assert all(r["success"] and r["output_tokens"] == r["max_tokens"] for r in records)
+        models = {r["served_model"] for r in records}
+        assert models == {"base"} if phase["phase"] == "base" else models <= set(ADAPTERS)
+        these = [(r["prompt_len"], r["max_tokens"]) for r in records]
+        assert all(4 <= i <= 24 and 2 <= o <= 9 for i, o in these)
+        assert lengths is None or these == lengths
+        lengths = these
+    assert len(set(lengths)) > 1  # the ranges were drawn from, not one fixed length
+    base = sorted(p["output_tok_per_s"] for p in phases if p["phase"] == "base")
+    lora = sorted(p["output_tok_per_s"] for p in phases if p["phase"] == "lora")
+    assert results["lora_over_base_output_tok_per_s"] == pytest.approx(
+        (lora[0] + lora[1]) / (base[0] + base[1]))
+    assert "Served LoRA/base: " in bench.format_table(results)
