@@ -39,7 +39,7 @@
 #             load), 16 and 64 and at a Poisson rate (RATE, default 16/s); input
 #             128-1024, output 64-256 tokens (SERVE_BENCHES picks some by name,
 #             SERVER_ARGS adds server flags)
-#   steps     base against LoRA per kind of step: host, wall and device time of decode
+#   steps     base against LoRA per kind of step: host, wall and GPU kernel time of decode
 #             steps and of decode plus a prefill chunk (profile_steps.py; STEPS_ARGS)
 set -uo pipefail
 OUT=${RESULTS_DIR:-gpu_results}
@@ -218,7 +218,7 @@ fi
 if has steps; then
   stamp steps
   # Base against LoRA per kind of step (decode only, decode plus a prefill chunk):
-  # host, wall and device time of one step.
+  # host, wall and GPU kernel time of one step.
   (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 profile_steps.py --model $MODEL \
       --load-format dummy --adapters $ADAPTERS --json "$OUT/steps.json" ${STEPS_ARGS:-}) \
       > "$OUT/steps.log" 2>&1

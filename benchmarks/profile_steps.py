@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--cudagraph-mode", default="FULL_DECODE_ONLY",
+                   help="FULL_AND_PIECEWISE: mixed steps replay piecewise graphs")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
         model=args.model, load_format=args.load_format, enable_lora=True,
         max_loras=args.num_adapters, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.num_adapters, max_num_seqs=256, max_num_batched_tokens=2048,
-        enforce_eager=args.enforce_eager, enable_prefix_caching=False,
+        enforce_eager=args.enforce_eager, cudagraph_mode=args.cudagraph_mode,
+        enable_prefix_caching=False,
     )
     runner = ModelRunner(config)
     paths = sorted(Path(args.adapters).iterdir())[: args.num_adapters]

@@ -12,6 +12,7 @@ from typing import Any
 
 import loraserve
 from loraserve import envs
+from loraserve.config import CUDAGRAPH_MODES
 from loraserve.entrypoints.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
 from loraserve.entrypoints.serving_models import LoRAModulePath
 from loraserve.entrypoints.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
@@ -255,6 +256,13 @@ def _add_serve_parser(subparsers: Any) -> None:
         "--enforce-eager", action="store_true", help="Never use CUDA graphs."
     )
     engine.add_argument(
+        "--cudagraph-mode", type=str.upper, default=None, choices=list(CUDAGRAPH_MODES),
+        help="Which steps replay CUDA graphs: FULL_DECODE_ONLY (default) captures decode "
+        "steps whole; FULL_AND_PIECEWISE also captures the other steps (prefill chunks, "
+        "prefill beside decodes) per token-count bucket in pieces, with attention run "
+        "eagerly between them; NONE is --enforce-eager.",
+    )
+    engine.add_argument(
         "--specialize-active-lora", action="store_true",
         help="Also capture CUDA graphs without the LoRA ops, for steps that use no adapter "
         "(by default one graph set serves both).",
@@ -338,6 +346,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "enforce_eager": args.enforce_eager,
         "specialize_active_lora": args.specialize_active_lora or None,
+        "cudagraph_mode": args.cudagraph_mode,
         "async_scheduling": args.async_scheduling,
         "load_format": args.load_format,
         "enable_lora": args.enable_lora,

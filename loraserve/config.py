@@ -30,6 +30,12 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; use auto or one of {sorted(_DTYPES)}") from None
 
 
+# NONE: every step eager (as --enforce-eager). FULL_DECODE_ONLY: decode steps replay
+# whole-step graphs, the others run eagerly. FULL_AND_PIECEWISE: the others replay
+# piecewise graphs, attention eager between the pieces.
+CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+
 @dataclass
 class ModelConfig:
     model: str  # local directory with config.json and weights
@@ -81,6 +87,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # CUDA graphs: also capture a no-LoRA set (see worker/cuda_graphs.py).
     specialize_active_lora: bool = False
+    # Which steps replay CUDA graphs: decode steps only, or also the others
+    # through piecewise graphs (see worker/piecewise_graphs.py).
+    cudagraph_mode: str = "FULL_DECODE_ONLY"
     # Schedule and launch step N+1 before reading step N's tokens back, so host
     # work overlaps the device (see engine/engine_core.py).
     async_scheduling: bool = True
@@ -110,6 +119,7 @@ class EngineConfig:
         lora_dtype: str = "auto",
         lora_target_modules: list[str] | None = None,
         specialize_active_lora: bool = False,
+        cudagraph_mode: str = "FULL_DECODE_ONLY",
         async_scheduling: bool = True,
         trust_remote_code: bool = False,
         revision: str | None = None,
@@ -159,6 +169,12 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
             )
+        cudagraph_mode = cudagraph_mode.upper()
+        if cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, "
+                             f"not {cudagraph_mode!r}")
+        if cudagraph_mode == "NONE":
+            enforce_eager = True
         if load_format not in ("auto", "dummy", "safetensors"):
             raise ValueError(f"load_format must be auto, safetensors or dummy, not {load_format!r}")
 
@@ -215,6 +231,7 @@ class EngineConfig:
             device=dev,
             enforce_eager=enforce_eager,
             specialize_active_lora=specialize_active_lora,
+            cudagraph_mode=cudagraph_mode,
             async_scheduling=async_scheduling,
         )
 

@@ -56,6 +56,10 @@ class Attention(nn.Module):
         self.sliding_window = _sliding_window(cfg, layer_idx)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache, attn) -> torch.Tensor:
+        return self.o_proj(self.attend(positions, *self.project_qkv(x), kv_cache, attn))
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D] of x, before the rotary."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -64,10 +68,15 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
+        return q, k, v
+
+    def attend(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, kv_cache, attn) -> torch.Tensor:
+        """The attention output [T, Hq * D], before o_proj; stores k and v in the cache."""
         # The backend rotates q and k (on a GPU with the KV cache write, one kernel).
         out = attn.forward(q, k, v, kv_cache, self.scale, self.sliding_window,
                            rotary=self.rotary, positions=positions)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return out.reshape(-1, self.q_size)
 
 
 def _sliding_window(cfg: Any, layer_idx: int) -> int | None:
@@ -113,13 +122,26 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, hidden, residual, kv_cache, attn):
         """Returns (this layer's output delta, the running residual stream); the
         next norm adds them, so add and norm fuse into one kernel on a GPU."""
+        q, k, v, residual = self.before_attention(hidden, residual)
+        return self.after_attention(self.self_attn.attend(positions, q, k, v, kv_cache, attn),
+                                    residual)
+
+    # The layer in the two parts around its attention, which piecewise CUDA graphs
+    # capture apart (loraserve.worker.piecewise_graphs).
+
+    def before_attention(self, hidden, residual):
+        """(q, k, v, residual): the input norm and the QKV projection."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, attn)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return (*self.self_attn.project_qkv(hidden), residual)
+
+    def after_attention(self, attn_out, residual):
+        """(output delta, residual): o_proj, the second norm and the MLP."""
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out),
+                                                         residual)
         return self.mlp(hidden), residual
 
 

@@ -2,10 +2,11 @@
 one step: inputs -> forward -> logits -> sampled tokens.
 
 Which kernels run is chosen once, from the device (``backend.select_backend``):
-on a GPU the model, the LoRA op and attention run Triton kernels and decode
-steps replay CUDA graphs (see cuda_graphs.py); on a CPU everything is plain
-torch. On a GPU the KV cache is sized from gpu_memory_utilization after a
-profiling pass.
+on a GPU the model, the LoRA op and attention run Triton kernels, decode
+steps replay CUDA graphs (see cuda_graphs.py) and, with
+``cudagraph_mode=FULL_AND_PIECEWISE``, the other steps replay piecewise graphs
+(piecewise_graphs.py); on a CPU everything is plain torch. On a GPU the KV
+cache is sized from gpu_memory_utilization after a profiling pass.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from loraserve.worker.attention import (
 )
 from loraserve.worker.backend import select_backend
 from loraserve.worker.input_batch import PENDING_TOKEN, StepInput
+from loraserve.worker.piecewise_graphs import PiecewiseGraphs
 from loraserve.worker.sampler import (
     PromptLogprobsBatch,
     SampledBatch,
@@ -121,9 +123,14 @@ class ModelRunner:
             self.head_dim, self.dtype, self.device,
         )
         self.graphs = None
+        self.pieces: PiecewiseGraphs | None = None
         if self.backend.decode_graphs is not None and not config.enforce_eager:
             self.graphs = self.backend.decode_graphs(self)
             self.graphs.capture()
+            if config.cudagraph_mode == "FULL_AND_PIECEWISE":
+                # One memory pool for both kinds of graph: only one runs at a time.
+                self.pieces = PiecewiseGraphs(self)
+                self.pieces.capture(pool=self.graphs.pool)
 
     # ---- memory ------------------------------------------------------------------
 
@@ -242,7 +249,10 @@ class ModelRunner:
                 # The graph took the argmax already, into graphs.sampled.
                 batch = self.sampler.from_argmax(graphs.sampled[: len(rows)])
         else:
-            hidden = self._forward_eager(inputs)
+            if self.pieces is not None and self.pieces.fits(len(inputs.input_ids)):
+                hidden = self.pieces.run(inputs)
+            else:
+                hidden = self._forward_eager(inputs)
             if inputs.prompt_rows:
                 prompt_lps = prompt_logprobs(
                     self.model.compute_logits, hidden[self.to_device(inputs.prompt_rows)],
