@@ -116,6 +116,16 @@ class ServerMetrics:
         self.num_preemptions = per_model(
             Counter, "num_preemptions", "Cumulative number of preemptions from the engine."
         )
+        # In tokens, as vLLM counts them: a prompt's tokens looked up, and those found.
+        self.prefix_cache_queries = per_model(
+            Counter, "prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+        )
+        self.prefix_cache_hits = per_model(
+            Counter, "prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+        )
+        self._prefix_seen = (0, 0)
         self.ttft = per_model(
             Histogram, "time_to_first_token_seconds",
             "Histogram of time to first token in seconds.", buckets=_LATENCY_BUCKETS,
@@ -173,6 +183,13 @@ class ServerMetrics:
         if stats.num_preemptions > self._preemptions_seen:
             self.num_preemptions.inc(stats.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = max(self._preemptions_seen, stats.num_preemptions)
+        # The engine sends running totals; a reset of its counts starts them again.
+        queries, hits = stats.prefix_cache_tokens
+        seen_queries, seen_hits = self._prefix_seen
+        if queries >= seen_queries and hits >= seen_hits:
+            self.prefix_cache_queries.inc(queries - seen_queries)
+            self.prefix_cache_hits.inc(hits - seen_hits)
+        self._prefix_seen = (queries, hits)
         if self.lora_info is not None:
             self._record_lora(stats)
 

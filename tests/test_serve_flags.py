@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from serve_utils import START_TIMEOUT_S, ServerProcess, descendants
 
 API_KEY = "flags-key"
@@ -148,6 +149,13 @@ def test_requests_are_logged_and_a_repeated_prompt_hits_the_prefix_cache(server,
     stats = server.request("GET", "/v1/engine_stats", headers=_auth()).json()["scheduler"]
     queried, hit = stats["prefix_cache_tokens"]
     assert queried > 0 and hit >= 4  # the second request reused at least a block
+    # vLLM's prefix cache counters, in tokens, agree with the engine's totals.
+    metrics = server.request("GET", "/metrics", headers=_auth()).text
+    totals = {s.name: s.value for f in text_string_to_metric_families(metrics)
+              for s in f.samples if s.name.startswith("loraserve:prefix_cache_")
+              and s.name.endswith("_total")}
+    assert totals == {"loraserve:prefix_cache_queries_total": queried,
+                      "loraserve:prefix_cache_hits_total": hit}
     log = server.output()
     assert "prompt tokens, sampling:" in log and "temperature=0.0" in log
     assert "max_tokens=3" in log and prompt not in log
