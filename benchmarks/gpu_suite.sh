@@ -38,9 +38,10 @@
 #             serve.py: alternating base and LoRA phases at concurrency 4 (ITL at low
 #             load), 16 and 64 and at a Poisson rate (RATE, default 16/s); input
 #             128-1024, output 64-256 tokens (SERVE_BENCHES picks some by name,
-#             SERVER_ARGS adds server flags)
+#             SERVER_ARGS adds server flags); once per mode of GRAPH_MODES
 #   steps     base against LoRA per kind of step: host, wall and GPU kernel time of decode
-#             steps and of decode plus a prefill chunk (profile_steps.py; STEPS_ARGS)
+#             steps and of decode plus a prefill chunk (profile_steps.py; STEPS_ARGS);
+#             once per mode of GRAPH_MODES
 set -uo pipefail
 OUT=${RESULTS_DIR:-gpu_results}
 mkdir -p "$OUT"
@@ -184,45 +185,55 @@ if has firstuse; then
   echo "firstuse rc=$?" >> "$OUT/first_use.log"
 fi
 
+# serve and steps run once per CUDA graph mode in GRAPH_MODES, their files suffixed
+# with the mode, so that one run compares the modes.
+GRAPH_MODES=${GRAPH_MODES:-"FULL_DECODE_ONLY FULL_AND_PIECEWISE"}
+
 if has serve; then
-  stamp serve
   # Continuous load on one LoRA server: base and LoRA phases alternate, so that both see
   # the same server in the same state. Variable lengths, 32 adapters in 32 slots.
   mods=()
   for d in "$ADAPTERS"/*/; do n=$(basename "$d"); mods+=("$n=$d"); done
-  python3 -m loraserve.cli serve $MODEL --load-format dummy --enable-lora --max-loras 32 \
-      --max-lora-rank 16 --max-cpu-loras 32 --port 8011 --lora-modules "${mods[@]}" \
-      ${SERVER_ARGS:-} > "$OUT/server.log" 2>&1 &
-  server=$!
-  for _ in $(seq 300); do
-    curl -sf http://127.0.0.1:8011/v1/models > /dev/null && break; sleep 1
+  for mode in $GRAPH_MODES; do
+    stamp "serve $mode"
+    python3 -m loraserve.cli serve $MODEL --load-format dummy --enable-lora --max-loras 32 \
+        --max-lora-rank 16 --max-cpu-loras 32 --port 8011 --lora-modules "${mods[@]}" \
+        --cudagraph-mode "$mode" ${SERVER_ARGS:-} > "$OUT/server_$mode.log" 2>&1 &
+    server=$!
+    for _ in $(seq 300); do
+      curl -sf http://127.0.0.1:8011/v1/models > /dev/null && break; sleep 1
+    done
+    bench() {  # name, then serve.py arguments; SERVE_BENCHES picks some of the names
+      local name=$1; shift
+      [ -n "${SERVE_BENCHES:-}" ] && [[ " $SERVE_BENCHES " != *" $name "* ]] && return
+      stamp "serve $mode $name"
+      timeout "${SERVE_TIMEOUT:-240}" python3 benchmarks/serve.py http://127.0.0.1:8011 \
+          --phases "${PHASES:-base,lora,base,lora}" --num-clients 4 \
+          --json "$OUT/serve_${name}_$mode.json" "$@" > "$OUT/serve_${name}_$mode.log" 2>&1
+      echo "rc=$?" >> "$OUT/serve_${name}_$mode.log"
+    }
+    bench c4 --num-requests 32 --max-concurrency 4 --input-len 512 \
+        --output-len 128 --warmup-requests 4
+    bench c16 --num-requests 256 --max-concurrency 16 --input-len 128:1024 \
+        --output-len 64:256
+    bench c64 --num-requests 256 --max-concurrency 64 --input-len 128:1024 \
+        --output-len 64:256
+    bench poisson --num-requests 256 --request-rate "${RATE:-16}" --input-len 128:1024 \
+        --output-len 64:256
+    kill -INT $server; wait $server
   done
-  bench() {  # name, then serve.py arguments; SERVE_BENCHES picks some of the names
-    local name=$1; shift
-    [ -n "${SERVE_BENCHES:-}" ] && [[ " $SERVE_BENCHES " != *" $name "* ]] && return
-    stamp "serve $name"
-    timeout "${SERVE_TIMEOUT:-240}" python3 benchmarks/serve.py http://127.0.0.1:8011 \
-        --phases "${PHASES:-base,lora,base,lora}" --num-clients 4 \
-        --json "$OUT/serve_$name.json" "$@" > "$OUT/serve_$name.log" 2>&1
-    echo "rc=$?" >> "$OUT/serve_$name.log"
-  }
-  bench c4 --num-requests 32 --max-concurrency 4 --input-len 512 \
-      --output-len 128 --warmup-requests 4
-  bench c16 --num-requests 256 --max-concurrency 16 --input-len 128:1024 --output-len 64:256
-  bench c64 --num-requests 256 --max-concurrency 64 --input-len 128:1024 --output-len 64:256
-  bench poisson --num-requests 256 --request-rate "${RATE:-16}" --input-len 128:1024 \
-      --output-len 64:256
-  kill -INT $server; wait $server
 fi
 
 if has steps; then
-  stamp steps
   # Base against LoRA per kind of step (decode only, decode plus a prefill chunk):
   # host, wall and GPU kernel time of one step.
-  (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 profile_steps.py --model $MODEL \
-      --load-format dummy --adapters $ADAPTERS --json "$OUT/steps.json" ${STEPS_ARGS:-}) \
-      > "$OUT/steps.log" 2>&1
-  echo "steps rc=$?" >> "$OUT/steps.log"
+  for mode in $GRAPH_MODES; do
+    stamp "steps $mode"
+    (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 profile_steps.py \
+        --model $MODEL --load-format dummy --adapters $ADAPTERS --cudagraph-mode "$mode" \
+        --json "$OUT/steps_$mode.json" ${STEPS_ARGS:-}) > "$OUT/steps_$mode.log" 2>&1
+    echo "steps rc=$?" >> "$OUT/steps_$mode.log"
+  done
 fi
 stamp done
 tail -n 4 "$OUT"/*.log
