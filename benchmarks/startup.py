@@ -35,12 +35,14 @@ def measure(kwargs: dict, cache_dir: str, queue, profile_to: str | None) -> None
         with open(profile_to, "w") as f:
             for order in ("tottime", "cumulative"):
                 pstats.Stats(profiler, stream=f).sort_stats(order).print_stats(40)
-    graphs = core.runner.graphs
+    graphs, pieces = core.runner.graphs, core.runner.pieces
     queue.put({
         "engine_start_s": time.perf_counter() - start,
         "graphs": len(graphs.graphs) if graphs else 0,
         "capture_s": graphs.capture_seconds if graphs else None,
         "capture_bytes": graphs.capture_bytes if graphs else None,
+        "piecewise_capture_s": pieces.capture_seconds if pieces else None,
+        "piecewise_capture_bytes": pieces.capture_bytes if pieces else None,
         "kv_blocks": core.kv.num_blocks,
     })
 
@@ -75,6 +77,7 @@ def main() -> None:
     p.add_argument("--max-lora-rank", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--specialize-active-lora", action="store_true")
+    p.add_argument("--cudagraph-mode", default="FULL_DECODE_ONLY")
     p.add_argument("--json", type=Path)
     p.add_argument("--profile-dir", type=Path,
                    help="write a cProfile summary of each engine start here")
@@ -82,7 +85,7 @@ def main() -> None:
     if args.profile_dir:
         args.profile_dir.mkdir(parents=True, exist_ok=True)
     common = {"model": args.model, "load_format": args.load_format,
-              "max_num_seqs": args.max_num_seqs}
+              "max_num_seqs": args.max_num_seqs, "cudagraph_mode": args.cudagraph_mode}
     lora = cold_and_warm({**common, "enable_lora": True, "max_loras": args.max_loras,
                           "max_lora_rank": args.max_lora_rank,
                           "specialize_active_lora": args.specialize_active_lora},

@@ -79,6 +79,7 @@ class PiecewiseGraphs:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.pool = None
         self.capture_seconds = 0.0
+        self.capture_bytes = 0
 
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.sizes[-1]
@@ -131,6 +132,8 @@ class PiecewiseGraphs:
         graphs' memory pool)."""
         dev = self.runner.device
         torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        reserved_before = torch.cuda.memory_reserved(dev)
         start = time.perf_counter()
         self.pool = pool
         punica = self.runner.punica
@@ -152,9 +155,12 @@ class PiecewiseGraphs:
             self.graphs[size] = graphs
         torch.cuda.synchronize(dev)
         self.capture_seconds = time.perf_counter() - start
+        # What the pieces add to the caching allocator (the pool is shared).
+        self.capture_bytes = torch.cuda.memory_reserved(dev) - reserved_before
         logger.info("captured %d piecewise CUDA graphs (%d token buckets up to %d x %d pieces) "
-                    "in %.1f s", len(self.graphs) * self.num_pieces, len(self.sizes),
-                    self.sizes[-1], self.num_pieces, self.capture_seconds)
+                    "in %.1f s using %.2f GiB", len(self.graphs) * self.num_pieces,
+                    len(self.sizes), self.sizes[-1], self.num_pieces, self.capture_seconds,
+                    self.capture_bytes / 2**30)
 
     def run(self, inputs) -> torch.Tensor:
         """The final hidden states [n, hidden] of the step's n tokens."""
