@@ -18,6 +18,8 @@
 #             into the table
 #   tests     the GPU tests (after tune: they run on the table it wrote; TEST_FILES)
 #   layer     LoRA cost per linear layer class (lora_layer.py)
+#   moe       MoE grouped GEMM and MoE LoRA vs the torch path on Mixtral-8x7B layer shapes
+#             (moe_lora.py)
 #   attention decode attention alone, tilings and split counts side by side
 #             (attention.py --sweep; ATTN_ARGS, e.g. "--batches 1 4 --splits 8 16 32")
 #   profile   where a batch-32 decode step's time goes (profile_decode.py)
@@ -89,7 +91,8 @@ if has tests; then
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q ${TEST_FILES:-tests/test_engine_gpu.py \
       tests/test_kernels_gpu.py tests/test_dense_gemm_gpu.py tests/test_paged_attention_gpu.py \
       tests/test_sampler_gpu.py tests/test_argmax.py \
-      tests/test_fused_norm_rope.py} > "$OUT/gpu_tests.log" 2>&1
+      tests/test_fused_norm_rope.py tests/test_moe_gpu.py tests/test_moe_kernels.py} \
+      > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?" >> "$OUT/gpu_tests.log"
 fi
 
@@ -99,6 +102,12 @@ if has layer; then
   timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/lora_layer.py --json "$OUT/lora_layer.json" ${LAYER_ARGS:-} \
       > "$OUT/lora_layer.log" 2>&1
   echo "layer rc=$?" >> "$OUT/lora_layer.log"
+fi
+
+if has moe; then
+  stamp moe
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/moe_lora.py > "$OUT/moe_lora.md" 2>&1
+  echo "moe rc=$?" >> "$OUT/moe_lora.md"
 fi
 
 if has attention; then

@@ -31,9 +31,12 @@ from loraserve.engine.protocol import LORA_LOAD_TIME_BUCKETS_S, lora_load_time_b
 from loraserve.lora.errors import LoRAError
 from loraserve.lora.layers import LinearWithLoRA
 from loraserve.lora.lru import LRUCache
+from loraserve.lora.moe_adapter import ExpertsInfo
+from loraserve.lora.moe_layers import ExpertsWithLoRA
 from loraserve.lora.peft_adapter import LoRAModel, ModelLoRAInfo, load_lora_model
 from loraserve.lora.punica import PunicaWrapper
 from loraserve.lora.request import LoRARequest
+from loraserve.model.moe import Experts
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,9 @@ def wrap_model(
         info.projection_names.update(sources)
     for path, module in list(model.named_modules()):
         leaf = path.rsplit(".", 1)[-1]
+        if isinstance(module, Experts):
+            wrappers[path] = _wrap_experts(model, path, module, lora_config, punica, info)
+            continue
         if leaf not in model.lora_modules or not isinstance(module, nn.Linear):
             continue
         sources = model.lora_modules[leaf]
@@ -63,6 +69,19 @@ def wrap_model(
         for i, source in enumerate(sources):
             info.by_source[f"{parent_path}.{source}"] = (path, i)
     return wrappers, info
+
+
+def _wrap_experts(model: nn.Module, path: str, module: Experts, lora_config: LoRAConfig,
+                  punica: PunicaWrapper, info: ModelLoRAInfo) -> ExpertsWithLoRA:
+    """A MoE block's experts take LoRA on their projections (not the router)."""
+    wrapper = ExpertsWithLoRA(module, lora_config.max_loras, lora_config.max_lora_rank,
+                              lora_config.lora_dtype, punica)
+    parent_path, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent_path), attr, wrapper)
+    info.experts[path] = ExpertsInfo(module.num_experts, module.hidden_size,
+                                     module.intermediate_size, model.expert_projections)
+    info.projection_names.update(model.expert_projections)
+    return wrapper
 
 
 class _ReadStarts:

@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from loraserve.lora.errors import LoRAError, LoRANotFoundError
+from loraserve.lora.moe_adapter import ExpertsInfo, experts_path_of, load_expert_loras
 from loraserve.lora.request import LoRARequest
 
 CONFIG_FILE = "adapter_config.json"
@@ -93,6 +94,8 @@ class ModelLoRAInfo:
     # checkpoint path of a projection -> (merged module path, slice index)
     by_source: dict[str, tuple[str, int]]
     projection_names: set[str]
+    # MoE models: experts layer path -> its shape (loraserve.lora.moe_adapter)
+    experts: dict[str, ExpertsInfo] = field(default_factory=dict)
 
 
 def resolve_adapter_path(lora_request: LoRARequest) -> str:
@@ -218,9 +221,13 @@ def load_lora_model(
     except SafetensorError as e:
         raise LoRAError(name, f"{WEIGHTS_FILE} is not a valid safetensors file: {e}") from e
 
-    modules: dict[str, ModuleLoRA] = {}
-    max_rank = 0
+    expert_pairs = {s: ab for s, ab in pairs.items() if experts_path_of(s, info.experts)}
+    modules: dict[str, ModuleLoRA] = load_expert_loras(
+        name, config, expert_pairs, info.experts, max_lora_rank, dtype, target_modules)
+    max_rank = max((m.rank for m in modules.values()), default=0)
     for source, ab in sorted(pairs.items()):
+        if source in expert_pairs:
+            continue
         if source not in info.by_source:
             proj = source.rsplit(".", 1)[-1]
             raise LoRAError(

@@ -85,11 +85,14 @@ class TorchPunicaWrapper(PunicaWrapper):
     def __init__(self, max_num_tokens: int, num_slots: int, device: torch.device) -> None:
         super().__init__(max_num_tokens, num_slots, device)
         self._slot_rows: list[tuple[int, torch.Tensor]] = []
+        # Each token's slot, for the MoE experts' LoRA (loraserve.lora.moe_layers).
+        self.token_slots = torch.empty(0, dtype=torch.int32, device=device)
 
     def update_mapping(self, token_slots: list[int]) -> None:
         self._check_num_tokens(len(token_slots))
         slots = torch.tensor(token_slots, dtype=torch.int32)
         self.any_lora = bool((slots >= 0).any())
+        self.token_slots = slots.to(self.device)
         self._slot_rows = [
             (int(s), torch.nonzero(slots == s).flatten().to(self.device))
             for s in torch.unique(slots).tolist()

@@ -10,6 +10,7 @@ with (``loraserve.model.ops``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,13 +41,14 @@ class Attention(nn.Module):
         self.head_dim = head_dim_of(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+        bias = (bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+                or bool(getattr(cfg, "qkv_bias", False)))
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias,
                                ops=ops)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=bool(
             getattr(cfg, "attention_bias", False)) and cfg.model_type not in ("qwen2", "qwen3"),
             ops=ops)
-        self.qk_norm = cfg.model_type == "qwen3"
+        self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
@@ -83,7 +85,7 @@ def _sliding_window(cfg: Any, layer_idx: int) -> int | None:
     window = getattr(cfg, "sliding_window", None)
     if not window:
         return None
-    if cfg.model_type in ("qwen2", "qwen3"):
+    if cfg.model_type in ("qwen2", "qwen3", "qwen2_moe"):
         if not getattr(cfg, "use_sliding_window", False):
             return None
         layer_types = getattr(cfg, "layer_types", None)
@@ -94,13 +96,14 @@ def _sliding_window(cfg: Any, layer_idx: int) -> int | None:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Any, ops: TorchOps) -> None:
+    def __init__(self, cfg: Any, ops: TorchOps, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
+        # An explicit width: a MoE model's shared expert (loraserve.model.moe).
+        inter = intermediate_size or cfg.intermediate_size
+        self.intermediate_size = inter
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias,
-                                   ops=ops)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias, ops=ops)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=bias, ops=ops)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=bias, ops=ops)
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
 
@@ -111,11 +114,20 @@ class MLP(nn.Module):
         return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
+# Builds a layer's MLP: (config, layer index, ops) -> module of x.
+MLPFactory = Callable[[Any, int, TorchOps], nn.Module]
+
+
+def dense_mlp(cfg: Any, layer_idx: int, ops: TorchOps) -> nn.Module:
+    return MLP(cfg, ops)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, ops: TorchOps) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, ops: TorchOps,
+                 make_mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx, rotary, ops)
-        self.mlp = MLP(cfg, ops)
+        self.mlp = make_mlp(cfg, layer_idx, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -146,14 +158,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: Any, max_model_len: int, ops: TorchOps) -> None:
+    def __init__(self, cfg: Any, max_model_len: int, ops: TorchOps,
+                 make_mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg, max_model_len)
         # One rotary table shared by every layer; registered once here.
         self.rotary_emb = rotary
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, rotary, ops) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, rotary, ops, make_mlp) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -182,10 +195,13 @@ class LlamaFamilyForCausalLM(nn.Module):
         "down_proj": ("down_proj",),
     }
 
+    # Each layer's MLP; a MoE family (loraserve.model.moe) builds sparse blocks.
+    make_mlp: MLPFactory = staticmethod(dense_mlp)
+
     def __init__(self, cfg: Any, max_model_len: int, ops: TorchOps = TORCH_OPS) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_model_len, ops)
+        self.model = LlamaModel(cfg, max_model_len, ops, type(self).make_mlp)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, ops=ops)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -200,7 +216,7 @@ class LlamaFamilyForCausalLM(nn.Module):
     def slice_sizes(self, module_name: str) -> list[int]:
         """Output widths of the slices of one of our LoRA-capable modules."""
         attn = self.model.layers[0].self_attn
-        inter = self.model.layers[0].mlp.intermediate_size
+        inter = getattr(self.model.layers[0].mlp, "intermediate_size", None)
         return {
             "qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size],
             "o_proj": [self.config.hidden_size],

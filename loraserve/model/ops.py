@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from loraserve.model.moe_ops import ExpertsLoRA, torch_moe_experts
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x's last dimension: normalised in fp32, rounded back to x's dtype,
@@ -60,6 +62,18 @@ class TorchOps:
     ) -> torch.Tensor:
         """silu(gate) * up of the merged gate/up projection x @ weight.T (+ bias)."""
         return self.silu_and_mul(self.linear(x, weight, bias))
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        gate_up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        lora: ExpertsLoRA | None = None,
+    ) -> torch.Tensor:
+        """A sparse MoE block's experts, weighted and summed per token (moe_ops)."""
+        return torch_moe_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids, lora)
 
     def argmax(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """logits.argmax(-1) of [B, V] logits (the first of equal maxima), into ``out``

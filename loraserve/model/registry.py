@@ -7,15 +7,23 @@ from typing import Any
 import torch
 
 from loraserve.model.llama import LlamaFamilyForCausalLM
+from loraserve.model.moe import MoeForCausalLM
 from loraserve.model.ops import TORCH_OPS, TorchOps
 
 # Every listed family shares one decoder implementation; the differences
-# (QKV bias, q/k norm, sliding window) are read from the config.
+# (QKV bias, q/k norm, sliding window) are read from the config. The MoE
+# families swap the dense MLP for a sparse MoE block (loraserve.model.moe).
+MOE_ARCHITECTURES = (
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *MOE_ARCHITECTURES,
 )
 
 
@@ -42,13 +50,14 @@ def build_model(
     ops: TorchOps = TORCH_OPS,
 ) -> LlamaFamilyForCausalLM:
     """The model for ``hf_config``, its layers computed by ``ops`` (the backend's)."""
-    check_architecture(hf_config)
+    arch = check_architecture(hf_config)
+    family = MoeForCausalLM if arch in MOE_ARCHITECTURES else LlamaFamilyForCausalLM
     # Build straight on the device in the target dtype: no full-size fp32 copy.
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaFamilyForCausalLM(hf_config, max_model_len=max_model_len, ops=ops)
+            model = family(hf_config, max_model_len=max_model_len, ops=ops)
     finally:
         torch.set_default_dtype(previous)
     return model

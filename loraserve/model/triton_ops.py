@@ -24,6 +24,8 @@ from loraserve.kernels.activation import silu_and_mul
 from loraserve.kernels.argmax import argmax_rows
 from loraserve.kernels.dense_gemm import dense_linear, use_fused_silu_and_mul, use_kernel
 from loraserve.kernels.fused_norm_rope import rms_norm
+from loraserve.kernels.moe_experts import fused_moe_experts
+from loraserve.model.moe_ops import ExpertsLoRA
 from loraserve.model.ops import TorchOps
 
 _GEMM_DTYPES = (torch.bfloat16, torch.float16)
@@ -66,6 +68,19 @@ class TritonOps(TorchOps):
             out = dense_linear(flat, weight, bias, silu_mul=True)
             return out.view(*x.shape[:-1], out.shape[-1])
         return silu_and_mul(self.linear(x, weight, bias))
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        gate_up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        lora: ExpertsLoRA | None = None,
+    ) -> torch.Tensor:
+        # One grouped GEMM launch over all experts per projection, and the MoE
+        # LoRA over all (slot, expert) groups (kernels/moe_experts.py).
+        return fused_moe_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids, lora)
 
     def argmax(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         # One launch, not torch's reduce kernels (kernels/argmax.py).

@@ -38,18 +38,23 @@ def load_weights(model: torch.nn.Module, model_dir: str, show_progress: bool = T
     then check that nothing the model needs was missing."""
     params = dict(model.named_parameters())
     tied = getattr(model, "tie_word_embeddings", False)
-    loaded: set[tuple[str, int]] = set()  # (parameter, first row written)
+    # (parameter, first row written), or (parameter, (expert, first row)) for a
+    # per-expert piece of a fused MoE expert parameter.
+    loaded: set[tuple[str, object]] = set()
     files = checkpoint_files(model_dir)
     for path in tqdm(files, desc="Loading safetensors",
                      disable=not (show_progress and envs.show_progress())):
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():
+            for stored_name in f.keys():
+                name = _our_name(model, stored_name)
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                if _load_expert_piece(model, params, f, stored_name, name, loaded):
                     continue
                 target, offset = _target_of(model, name)
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(stored_name)
                 start, size = offset if offset is not None else (0, params[target].shape[0])
                 dest = params[target][start:start + size]
                 _check_shape(name, dest.shape, tensor.shape)
@@ -58,7 +63,7 @@ def load_weights(model: torch.nn.Module, model_dir: str, show_progress: bool = T
     missing = sorted(
         f"{name}[{start}:]" if start else name
         for name, start in _expected_pieces(model, params, tied)
-        if (name, start) not in loaded
+        if (name, start) not in loaded and not _experts_complete(model, name, loaded)
     )
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks tensors: {missing[:8]}")
@@ -79,6 +84,37 @@ def _expected_pieces(model, params: dict, tied: bool) -> list[tuple[str, int]]:
         else:
             pieces.append((name, 0))
     return pieces
+
+
+def _our_name(model, name: str) -> str:
+    rename = getattr(model, "checkpoint_name", None)
+    return rename(name) if rename is not None else name
+
+
+def _load_expert_piece(model, params: dict, f, stored_name: str, name: str,
+                       loaded: set) -> bool:
+    """Copy a per-expert checkpoint tensor (MoE models) into its fused expert
+    parameter; False for any other tensor."""
+    locate = getattr(model, "expert_checkpoint_target", None)
+    hit = locate(name) if locate is not None else None
+    if hit is None:
+        return False
+    target, expert, start, rows = hit
+    if target not in params or expert >= params[target].shape[0]:
+        raise ValueError(f"checkpoint tensor {stored_name!r} has no place in the model")
+    dest = params[target][expert, start:start + rows]
+    tensor = f.get_tensor(stored_name)
+    _check_shape(stored_name, dest.shape, tensor.shape)
+    dest.copy_(tensor)
+    loaded.add((target, (expert, start)))
+    return True
+
+
+def _experts_complete(model, name: str, loaded: set) -> bool:
+    """Whether per-expert tensors filled every piece of a fused expert parameter."""
+    pieces = getattr(model, "expert_pieces", None)
+    wanted = pieces(name) if pieces is not None else None
+    return wanted is not None and all((name, piece) in loaded for piece in wanted)
 
 
 def _check_shape(name: str, want, got) -> None:

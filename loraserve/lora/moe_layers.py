@@ -1,0 +1,81 @@
+"""The LoRA wrapper of a MoE block's experts (``loraserve.model.moe.Experts``).
+
+Per device slot and expert it holds A and B for the fused gate/up projection
+(A [R, H], B [2I, R]: one A for both halves, as PEFT's ``target_parameters``
+LoRA on ``experts.gate_up_proj`` has it) and for the down projection (A [R, I],
+B [H, R]), zero-padded to max_lora_rank. The router takes no LoRA. Each step
+the experts op gets every token's slot from the shared punica wrapper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from loraserve.lora.punica import PunicaWrapper
+from loraserve.model.moe import Experts
+from loraserve.model.moe_ops import ExpertsLoRA
+
+
+@dataclass
+class ExpertsModuleLoRA:
+    """One adapter's weights for one experts layer, per projection (gate_up, down):
+    A [E, r, K] and scaled B [E, N, r], or None where the adapter leaves the
+    projection out."""
+
+    lora_a: list[torch.Tensor | None]
+    lora_b: list[torch.Tensor | None]
+
+    @property
+    def rank(self) -> int:
+        return max((a.shape[1] for a in self.lora_a if a is not None), default=0)
+
+
+class ExpertsWithLoRA(nn.Module):
+    def __init__(
+        self,
+        base: Experts,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        punica: PunicaWrapper,
+    ) -> None:
+        super().__init__()
+        self.base_layer = base
+        num_experts, hidden, inter = base.num_experts, base.hidden_size, base.intermediate_size
+        device = base.gate_up_proj.device
+
+        def stack(*shape: int) -> torch.Tensor:
+            return torch.zeros(num_slots, num_experts, *shape, dtype=dtype, device=device)
+
+        # Index 0: gate_up, 1: down (the order of ExpertsModuleLoRA's lists).
+        self.lora_a = [stack(max_rank, hidden), stack(max_rank, inter)]
+        self.lora_b = [stack(2 * inter, max_rank), stack(hidden, max_rank)]
+        self.punica = punica
+
+    def set_slot(self, slot: int, weights: ExpertsModuleLoRA | None) -> None:
+        """Copy one adapter's expert weights into a slot; None zeroes it."""
+        for i, (a_stack, b_stack) in enumerate(zip(self.lora_a, self.lora_b, strict=True)):
+            a_stack[slot].zero_()
+            b_stack[slot].zero_()
+            if weights is None or weights.lora_a[i] is None:
+                continue
+            a, b = weights.lora_a[i], weights.lora_b[i]
+            rank = a.shape[1]
+            a_stack[slot, :, :rank].copy_(a, non_blocking=True)
+            b_stack[slot, :, :, :rank].copy_(b, non_blocking=True)
+
+    def launch_configs(self, num_tokens: int) -> tuple:
+        """Nothing here picks compiled kernels by batch (see LinearWithLoRA)."""
+        return ()
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        lora = None
+        if self.punica.any_lora:
+            lora = ExpertsLoRA(self.punica.token_slots[: x.shape[0]], self.lora_a[0],
+                               self.lora_b[0], self.lora_a[1], self.lora_b[1])
+        return self.base_layer(x, topk_weights, topk_ids, lora)
