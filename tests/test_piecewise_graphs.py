@@ -8,6 +8,7 @@ steps replay captured graphs."""
 from __future__ import annotations
 
 import pytest
+from moe_utils import make_moe_adapter, make_tiny_moe_model
 from utils import hf_greedy
 
 from loraserve import LLM, LoRARequest, SamplingParams
@@ -64,6 +65,21 @@ def test_pieces_match_peft_on_mixed_steps(llama_dir, llama_adapters, prompts):
     # Pieces ran, for steps of several sizes, some of them padded.
     assert len(set(calls)) > 2
     assert any(runner.pieces.padded_size(n) > n for n in calls)
+
+
+def test_pieces_of_a_moe_model_match_peft(tmp_path, prompts):
+    """Qwen2-MoE (shared expert, routed experts): the MoE block and its expert LoRA
+    run inside the pieces."""
+    model_dir = make_tiny_moe_model(tmp_path / "moe", "qwen2_moe", seed=3)
+    adapter = make_moe_adapter(model_dir, tmp_path / "a", r=4, alpha=8, seed=1)
+    llm = LLM(model_dir, enable_lora=True, max_loras=1, max_lora_rank=8,
+              max_num_batched_tokens=24, max_num_seqs=8, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    runner.pieces = PiecewiseGraphs(runner, capture=False)
+    calls = _count_calls(runner.pieces, "run")
+    lora = LoRARequest("a", 1, adapter)
+    _check_against_peft(llm, model_dir, [(p, x) for p in prompts[2:] for x in (None, lora)])
+    assert calls
 
 
 @pytest.mark.gpu
