@@ -278,6 +278,12 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="Reuse the KV cache blocks of a prompt prefix that an earlier request "
         "(with the same adapter, or none) computed (default: on).",
     )
+    engine.add_argument(
+        "--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+        help="Split the model over this many GPUs (or CPU processes), one process each: "
+        "attention heads and MLP columns are sharded, the embedding and lm_head "
+        "replicated (default: 1).",
+    )
     engine.add_argument("--seed", type=int, default=0, help="Random seed (default: 0).")
     engine.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"],
@@ -317,6 +323,12 @@ def _add_serve_parser(subparsers: Any) -> None:
     lora.add_argument(
         "--lora-target-modules", nargs="+", default=None,
         help="Only these modules get LoRA (default: every supported module).",
+    )
+    lora.add_argument(
+        "--fully-sharded-loras", action="store_true",
+        help="With --tensor-parallel-size > 1, also shard A of column-parallel layers "
+        "and B of row-parallel ones, gathering the small rank dimension instead "
+        "(default: A replicated for column-parallel layers, B for row-parallel ones).",
     )
 
 
@@ -360,6 +372,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "tokenizer_revision": args.tokenizer_revision,
         "download_dir": args.download_dir,
         "enable_prefix_caching": args.enable_prefix_caching,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "fully_sharded_loras": args.fully_sharded_loras or None,
     }
     return {k: v for k, v in kwargs.items() if v is not None}
 
@@ -381,7 +395,8 @@ def validate_serve_args(args: argparse.Namespace) -> None:
     if not args.enable_lora:
         given = [flag for flag, value in (("--lora-modules", modules),
                                           ("--max-cpu-loras", args.max_cpu_loras),
-                                          ("--lora-target-modules", args.lora_target_modules))
+                                          ("--lora-target-modules", args.lora_target_modules),
+                                          ("--fully-sharded-loras", args.fully_sharded_loras))
                  if value]
         if given:
             raise CLIError(f"{', '.join(given)} needs --enable-lora")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -75,6 +75,14 @@ class LoRAConfig:
     max_cpu_loras: int = 1
     lora_dtype: torch.dtype = torch.float32
     target_modules: list[str] | None = None
+    # Under tensor parallelism, also split A of column-parallel layers and B of
+    # row-parallel ones (see loraserve/lora/parallel_layers.py).
+    fully_sharded_loras: bool = False
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -93,6 +101,7 @@ class EngineConfig:
     # Schedule and launch step N+1 before reading step N's tokens back, so host
     # work overlaps the device (see engine/engine_core.py).
     async_scheduling: bool = True
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(
@@ -126,6 +135,8 @@ class EngineConfig:
         tokenizer_revision: str | None = None,
         download_dir: str | None = None,
         enable_prefix_caching: bool = True,
+        tensor_parallel_size: int = 1,
+        fully_sharded_loras: bool = False,
     ) -> EngineConfig:
         """Build and validate a config from vLLM-style keyword arguments."""
         from transformers import AutoConfig
@@ -178,6 +189,15 @@ class EngineConfig:
         if load_format not in ("auto", "dummy", "safetensors"):
             raise ValueError(f"load_format must be auto, safetensors or dummy, not {load_format!r}")
 
+        _check_tensor_parallel(tensor_parallel_size, hf_config, dev)
+        if fully_sharded_loras and not enable_lora:
+            raise ValueError("fully_sharded_loras was given without enable_lora")
+        if fully_sharded_loras and max_lora_rank % tensor_parallel_size:
+            raise ValueError(
+                f"fully_sharded_loras splits the LoRA rank over the ranks: max_lora_rank "
+                f"{max_lora_rank} is not a multiple of tensor_parallel_size "
+                f"{tensor_parallel_size}"
+            )
         lora_config = None
         if enable_lora:
             if max_lora_rank not in SUPPORTED_LORA_RANKS:
@@ -199,6 +219,7 @@ class EngineConfig:
                 max_cpu_loras=max_cpu_loras,
                 lora_dtype=model_dtype if lora_dtype == "auto" else parse_dtype(lora_dtype),
                 target_modules=list(lora_target_modules) if lora_target_modules else None,
+                fully_sharded_loras=fully_sharded_loras,
             )
         elif max_cpu_loras is not None or lora_target_modules:
             raise ValueError("LoRA options were given without enable_lora")
@@ -233,7 +254,31 @@ class EngineConfig:
             specialize_active_lora=specialize_active_lora,
             cudagraph_mode=cudagraph_mode,
             async_scheduling=async_scheduling,
+            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         )
+
+
+def _check_tensor_parallel(size: int, hf_config: Any, device: torch.device) -> None:
+    from loraserve.model.llama import check_tensor_parallel
+
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+    if size == 1:
+        return
+    from loraserve.model.registry import MOE_ARCHITECTURES, check_architecture
+
+    arch = check_architecture(hf_config)
+    if arch in MOE_ARCHITECTURES:
+        raise ValueError(f"tensor_parallel_size {size}: tensor parallelism is not supported "
+                         f"for MoE models ({arch})")
+    check_tensor_parallel(hf_config, size)
+    if device.type == "cuda":
+        if device.index not in (None, 0):
+            raise ValueError("with tensor parallelism the ranks use cuda:0 .. cuda:N-1; "
+                             f"give device cuda, not {device}")
+        if torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; torch sees "
+                             f"{torch.cuda.device_count()}")
 
 
 def resolve_model_path(

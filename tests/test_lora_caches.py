@@ -63,7 +63,7 @@ def test_unload_frees_cpu_tensors_and_zeroes_the_slot(engine_llm, llama_adapters
     lora = LoRARequest("r8", 1, llama_adapters["r8"])
     _use(engine_llm, lora, prompts[0])
     slot = manager.slots.peek("r8")
-    wrapper = next(iter(manager.wrappers.values()))
+    wrapper = manager.wrappers["model.layers.0.self_attn.qkv_proj"]
     assert wrapper.lora_a[0][slot].abs().sum() > 0
     assert engine_llm.remove_lora("r8")
     assert "r8" not in manager.cpu_names() and "r8" not in manager.slot_names()

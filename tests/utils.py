@@ -58,6 +58,7 @@ def make_tiny_model(
     seed: int = 0,
     num_layers: int = 2,
     rope_scaling: dict | None = None,
+    num_kv_heads: int = 2,
 ) -> str:
     """A tiny random-weight model of `arch` (llama, mistral, qwen2, qwen3) with a tokenizer."""
     from transformers import (
@@ -77,7 +78,7 @@ def make_tiny_model(
         intermediate_size=96,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=512,
         tie_word_embeddings=tie_word_embeddings,
         bos_token_id=tok.bos_token_id,
@@ -123,6 +124,7 @@ def make_peft_adapter(
     rank_pattern: dict | None = None,
     alpha_pattern: dict | None = None,
     scale: float = 0.1,
+    ensure_weight_tying: bool = False,
 ) -> str:
     """Make a PEFT LoRA adapter with random A and B (B is zero at PEFT init, which
     would make every adapter a no-op) and save it the way PEFT does."""
@@ -141,12 +143,15 @@ def make_peft_adapter(
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
+        # Passed only when set: older PEFT releases lack the field.
+        **({"ensure_weight_tying": True} if ensure_weight_tying else {}),
     )
     model = get_peft_model(base, cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
+            # lora_A/lora_B of linear layers, lora_embedding_A/B of embeddings.
+            if ".lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
     model.save_pretrained(str(out_dir))
     return str(out_dir)

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from loraserve.config import EngineConfig
+from loraserve.distributed.parallel_state import SINGLE
+from loraserve.distributed.workers import WorkerGroup, start_workers
 from loraserve.engine.kv_blocks import KVBlockManager
 from loraserve.engine.protocol import (
     EngineCoreOutput,
@@ -46,7 +48,16 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
+        # Tensor parallelism: this process is rank 0 and starts the other ranks.
+        self.workers: WorkerGroup | None = None
+        if config.parallel_config.tensor_parallel_size > 1:
+            self.workers = start_workers(config)
+        try:
+            self.runner = ModelRunner(config, self.workers.tp if self.workers else SINGLE)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.shutdown()
+            raise
         # The worker's LoRA side (caches, device slots, background loads), None
         # without enable_lora: every adapter operation of the engine goes through it.
         self.loras: LoRAManager | None = self.runner.loras
@@ -421,6 +432,9 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.loras is not None:
             self.loras.shutdown()
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
 
 
 @dataclass

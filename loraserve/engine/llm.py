@@ -104,6 +104,10 @@ class LLM:
     def remove_lora(self, lora_name: str) -> bool:
         return self.engine.remove_lora(lora_name)
 
+    def shutdown(self) -> None:
+        """Stop the engine (and, with tensor parallelism, its worker processes)."""
+        self.engine.shutdown()
+
     def list_loras(self) -> list[str]:
         return self.engine.list_loras()
 

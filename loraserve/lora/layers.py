@@ -1,4 +1,5 @@
-"""LoRA wrappers for the decoder's linear layers (merged QKV, o, merged gate/up, down).
+"""LoRA wrappers for the decoder's linear layers (merged QKV, o, merged gate/up,
+down, the lm_head) and for the token embedding.
 
 Each wrapper keeps the base layer and, per output slice, a stack of A and B
 matrices with one entry per device slot, sized for max_lora_rank. A slot holds
@@ -66,3 +67,46 @@ class LinearWithLoRA(nn.Module):
         added first. With the Triton kernels the update goes into the activation,
         so the [T, 2I] output is not read and written a second time to add it."""
         return self.punica.linear_silu_and_mul(self.base_layer, x, self.lora_a, self.lora_b)
+
+
+class EmbeddingWithLoRA(nn.Module):
+    """The token embedding plus, per token, ``A.T[id] @ B.T`` of its adapter (PEFT's
+    lora_embedding_A [r, vocab] and lora_embedding_B [hidden, r]).
+
+    A is kept transposed, [slot, vocab, rank], so a token's row is one gather.
+    """
+
+    def __init__(
+        self,
+        base: nn.Embedding,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        punica: PunicaWrapper,
+    ) -> None:
+        super().__init__()
+        self.base_layer = base
+        vocab, hidden = base.weight.shape
+        device = base.weight.device
+        self.lora_a_t = torch.zeros(num_slots, vocab, max_rank, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(num_slots, hidden, max_rank, dtype=dtype, device=device)
+        self.punica = punica
+
+    def set_slot(self, slot: int, weights: ModuleLoRA | None) -> None:
+        self.lora_a_t[slot].zero_()
+        self.lora_b[slot].zero_()
+        if weights is None or weights.lora_a[0] is None:
+            return
+        a, b = weights.lora_a[0], weights.lora_b[0]
+        rank = a.shape[0]
+        self.lora_a_t[slot, :, :rank].copy_(a.T, non_blocking=True)
+        self.lora_b[slot, :, :rank].copy_(b, non_blocking=True)
+
+    def launch_configs(self, num_tokens: int) -> tuple:
+        rank = self.lora_b.shape[2]
+        return self.punica.launch_configs(num_tokens, rank, [self.lora_b.shape[1]], rank)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(input_ids)
+        self.punica.add_lora_embedding(y, input_ids, self.lora_a_t, self.lora_b)
+        return y

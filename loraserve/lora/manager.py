@@ -29,45 +29,79 @@ from torch import nn
 from loraserve.config import LoRAConfig
 from loraserve.engine.protocol import LORA_LOAD_TIME_BUCKETS_S, lora_load_time_bucket
 from loraserve.lora.errors import LoRAError
-from loraserve.lora.layers import LinearWithLoRA
+from loraserve.lora.layers import EmbeddingWithLoRA, LinearWithLoRA
 from loraserve.lora.lru import LRUCache
 from loraserve.lora.moe_adapter import ExpertsInfo
 from loraserve.lora.moe_layers import ExpertsWithLoRA
+from loraserve.lora.parallel_layers import ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA
 from loraserve.lora.peft_adapter import LoRAModel, ModelLoRAInfo, load_lora_model
 from loraserve.lora.punica import PunicaWrapper
 from loraserve.lora.request import LoRARequest
+from loraserve.model.linear import ColumnParallelLinear, RowParallelLinear
 from loraserve.model.moe import Experts
 
 logger = logging.getLogger(__name__)
 
+LoRAWrapper = LinearWithLoRA | EmbeddingWithLoRA
+
 
 def wrap_model(
-    model: nn.Module, lora_config: LoRAConfig, punica: PunicaWrapper
-) -> tuple[dict[str, LinearWithLoRA], ModelLoRAInfo]:
-    """Replace every LoRA-capable linear layer with a wrapper, in place."""
-    wrappers: dict[str, LinearWithLoRA] = {}
+    model: nn.Module,
+    lora_config: LoRAConfig,
+    punica: PunicaWrapper,
+    logits_punica: PunicaWrapper | None = None,
+) -> tuple[dict[str, LoRAWrapper], ModelLoRAInfo]:
+    """Replace every LoRA-capable layer with a wrapper, in place. The lm_head's
+    wrapper maps the rows whose logits are computed (``logits_punica``), every other
+    layer the step's tokens (``punica``)."""
+    wrappers: dict[str, LoRAWrapper] = {}
     info = ModelLoRAInfo(modules={}, by_source={}, projection_names=set())
     for _merged_name, sources in model.lora_modules.items():
         info.projection_names.update(sources)
+    slots, rank, dtype = lora_config.max_loras, lora_config.max_lora_rank, lora_config.lora_dtype
     for path, module in list(model.named_modules()):
         leaf = path.rsplit(".", 1)[-1]
         if isinstance(module, Experts):
             wrappers[path] = _wrap_experts(model, path, module, lora_config, punica, info)
             continue
-        if leaf not in model.lora_modules or not isinstance(module, nn.Linear):
+        if leaf not in model.lora_modules:
             continue
         sources = model.lora_modules[leaf]
         slice_sizes = model.slice_sizes(leaf)
-        wrapper = LinearWithLoRA(
-            module, slice_sizes, lora_config.max_loras, lora_config.max_lora_rank,
-            lora_config.lora_dtype, punica,
-        )
+        if isinstance(module, nn.Embedding):
+            wrapper: LoRAWrapper = EmbeddingWithLoRA(module, slots, rank, dtype, punica)
+            in_features = module.num_embeddings
+            info.embeddings.add(path)
+            info.base_weights[path] = module.weight
+        elif isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            cls = (ColumnParallelLinearWithLoRA if isinstance(module, ColumnParallelLinear)
+                   else RowParallelLinearWithLoRA)
+            wrapper = cls(module, slice_sizes, slots, rank, dtype, punica,
+                          lora_config.fully_sharded_loras)
+            # Adapters hold the whole model's shapes; each rank keeps its shard.
+            in_features = getattr(module, "full_in_features", module.in_features)
+            slice_sizes = model.full_slice_sizes(leaf)
+        elif isinstance(module, nn.Linear):
+            is_lm_head = path == "lm_head"
+            wrapper = LinearWithLoRA(
+                module, slice_sizes, slots, rank, dtype,
+                logits_punica if is_lm_head and logits_punica is not None else punica,
+            )
+            in_features = module.in_features
+            if is_lm_head:
+                info.base_weights[path] = module.weight
+        else:
+            continue
         parent_path, _, attr = path.rpartition(".")
-        setattr(model.get_submodule(parent_path), attr, wrapper)
+        setattr(model.get_submodule(parent_path) if parent_path else model, attr, wrapper)
         wrappers[path] = wrapper
-        info.modules[path] = (tuple(sources), module.in_features, slice_sizes)
+        info.modules[path] = (tuple(sources), in_features, slice_sizes)
         for i, source in enumerate(sources):
-            info.by_source[f"{parent_path}.{source}"] = (path, i)
+            info.by_source[f"{parent_path}.{source}" if parent_path else source] = (path, i)
+    if getattr(model, "tie_word_embeddings", False) and "lm_head" in info.base_weights:
+        embedding = next(iter(info.embeddings), None)
+        if embedding is not None:
+            info.tied = (embedding, "lm_head")
     return wrappers, info
 
 
@@ -112,10 +146,11 @@ class LoRAManager:
         lora_config: LoRAConfig,
         punica: PunicaWrapper,
         num_load_threads: int = 2,
+        logits_punica: PunicaWrapper | None = None,
     ) -> None:
         self.config = lora_config
         self.punica = punica
-        self.wrappers, self.info = wrap_model(model, lora_config, punica)
+        self.wrappers, self.info = wrap_model(model, lora_config, punica, logits_punica)
         self.cpu_cache: LRUCache[LoRAModel] = LRUCache(lora_config.max_cpu_loras)
         # Device slots: name -> slot index. Free slots are the ones not in the map.
         self.slots: LRUCache[int] = LRUCache(lora_config.max_loras)
@@ -128,6 +163,9 @@ class LoRAManager:
         self._read_starts = _ReadStarts()
         self._load_time_counts = [0] * (len(LORA_LOAD_TIME_BUCKETS_S) + 1)
         self._load_time_sum_s = 0.0
+        # Tensor parallelism, rank 0: every slot written, as (slot, (name, id, path)
+        # or None), for the other ranks to write their shards of the same adapter.
+        self.slot_log: list[tuple[int, tuple[str, int, str] | None]] | None = None
 
     # ---- loading -------------------------------------------------------------------
 
@@ -272,7 +310,16 @@ class LoRAManager:
         protected = set(names) | set(running)
         return {name: self.activate(name, protected=protected) for name in names}
 
+    def write_shared_slot(self, slot: int, adapter: tuple[str, int, str] | None) -> None:
+        """Another rank: write the slot that rank 0 wrote, reading the adapter from
+        its folder (rank 0 checked it already)."""
+        lora = self.load(LoRARequest(*adapter)) if adapter is not None else None
+        self._write_slot(slot, lora)
+
     def _write_slot(self, slot: int, lora: LoRAModel | None) -> None:
+        if self.slot_log is not None:
+            self.slot_log.append(
+                (slot, (lora.name, lora.int_id, lora.path) if lora is not None else None))
         with torch.no_grad():
             for path, wrapper in self.wrappers.items():
                 wrapper.set_slot(slot, lora.modules.get(path) if lora is not None else None)

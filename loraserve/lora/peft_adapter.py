@@ -23,6 +23,15 @@ _PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 _KEY_RE = re.compile(
     r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
 )
+# An embedding's LoRA: lora_embedding_A [r, vocab] and lora_embedding_B [hidden, r].
+_EMBEDDING_KEY_RE = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_embedding_(?P<ab>[AB])(?:\.[^.]+)?$"
+)
+# PEFT saves a copy of the base embedding / lm_head weight beside their LoRA
+# (save_embedding_layers); it must equal the base model's.
+_BASE_COPY_RE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.base_layer\.weight$")
+# Added tokens (vLLM's extra vocabulary) come in this file.
+_NEW_EMBEDDINGS_FILE = "new_embeddings.safetensors"
 
 
 @dataclass
@@ -62,6 +71,8 @@ class PeftConfig:
     target_modules: list[str] | str | None
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
+    # PEFT then ties the lm_head LoRA of a tied-embedding model to the embedding's.
+    ensure_weight_tying: bool = False
 
     def alpha_for(self, module_key: str) -> float:
         key = _pattern_key(self.alpha_pattern, module_key)
@@ -96,6 +107,13 @@ class ModelLoRAInfo:
     projection_names: set[str]
     # MoE models: experts layer path -> its shape (loraserve.lora.moe_adapter)
     experts: dict[str, ExpertsInfo] = field(default_factory=dict)
+    # Source paths of embedding layers (their LoRA is lora_embedding_A/B).
+    embeddings: set[str] = field(default_factory=set)
+    # Source path -> the base weight, for the layers whose copy PEFT may save.
+    base_weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    # (embedding, lm_head) source paths of a model whose lm_head reuses the
+    # embedding matrix; None when they are separate.
+    tied: tuple[str, str] | None = None
 
 
 def resolve_adapter_path(lora_request: LoRARequest) -> str:
@@ -147,6 +165,11 @@ def read_peft_config(lora_name: str, adapter_dir: str) -> PeftConfig:
             lora_name, f"Adapter bias cannot be used (bias={raw['bias']!r} in {CONFIG_FILE}); "
             "loraserve supports bias 'none' only"
         )
+    if raw.get("trainable_token_indices"):
+        raise LoRAError(
+            lora_name, "loraserve does not support trainable_token_indices (trained rows of "
+            "the embedding)"
+        )
     for key in ("r", "lora_alpha"):
         # PEFT always writes both; guessing a missing alpha would scale the adapter
         # by a factor nobody chose.
@@ -165,6 +188,7 @@ def read_peft_config(lora_name: str, adapter_dir: str) -> PeftConfig:
             for pattern, rank in dict(raw.get("rank_pattern") or {}).items()
         },
         alpha_pattern=dict(raw.get("alpha_pattern") or {}),
+        ensure_weight_tying=bool(raw.get("ensure_weight_tying", False)),
     )
 
 
@@ -204,22 +228,12 @@ def load_lora_model(
         # safe_open holds the GIL while it opens the file: on a FIFO or a device that
         # open would block, and with it every thread of the engine.
         raise LoRAError(name, f"{WEIGHTS_FILE} in {adapter_dir} is not a regular file")
+    if (Path(adapter_dir) / _NEW_EMBEDDINGS_FILE).exists():
+        raise LoRAError(name, f"the adapter adds tokens ({_NEW_EMBEDDINGS_FILE}); loraserve "
+                        "serves adapters over the base model's vocabulary only")
 
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    keys: dict[tuple[str, str], str] = {}  # (module, "A"/"B") -> the tensor's name
-    try:
-        with safe_open(str(weights_path), framework="pt") as f:
-            for key in f.keys():
-                match = _KEY_RE.match(key)
-                if match is None:
-                    raise LoRAError(name, f"tensor {key!r} is not a LoRA A/B weight we support")
-                tensor = f.get_tensor(key)
-                if not _finite(tensor):
-                    raise LoRAError(name, f"tensor {key!r} holds NaN or infinite values")
-                pairs.setdefault(match["module"], {})[match["ab"]] = tensor
-                keys[match["module"], match["ab"]] = key
-    except SafetensorError as e:
-        raise LoRAError(name, f"{WEIGHTS_FILE} is not a valid safetensors file: {e}") from e
+    pairs, keys = _read_lora_tensors(name, weights_path, info)
+    _tie_lm_head(config, info, pairs, keys)
 
     expert_pairs = {s: ab for s, ab in pairs.items() if experts_path_of(s, info.experts)}
     modules: dict[str, ModuleLoRA] = load_expert_loras(
@@ -243,9 +257,9 @@ def load_lora_model(
             continue  # the server restricts LoRA to some modules (--lora-target-modules)
         _, in_features, out_sizes = info.modules[merged]
         a, b = ab["A"], ab["B"]
-        rank = a.shape[0]
         if a.dim() != 2 or b.dim() != 2:
             raise LoRAError(name, f"module {source!r}: LoRA tensors must be 2-D")
+        rank = a.shape[0]
         if rank > max_lora_rank:
             raise LoRAError(
                 name, f"LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}; start "
@@ -276,6 +290,70 @@ def load_lora_model(
         raise LoRAError(name, "the adapter has no LoRA weights for any module of the model")
     return LoRAModel(name=name, int_id=lora_request.lora_int_id, path=adapter_dir,
                      rank=max_rank, modules=modules)
+
+
+def _read_lora_tensors(
+    name: str, weights_path: Path, info: ModelLoRAInfo
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[tuple[str, str], str]]:
+    """{module: {"A": tensor, "B": tensor}} and the tensors' names by (module, A/B).
+    Linear layers' LoRA is lora_A/lora_B, embeddings' lora_embedding_A/B (same
+    [r, K] / [N, r] shapes, with K the vocabulary); saved copies of base weights
+    are checked against the model and dropped."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    keys: dict[tuple[str, str], str] = {}
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            for key in f.keys():
+                base_copy = _BASE_COPY_RE.match(key)
+                if base_copy is not None and base_copy["module"] in info.base_weights:
+                    _check_base_copy(name, key, f.get_tensor(key),
+                                     info.base_weights[base_copy["module"]])
+                    continue
+                match = _KEY_RE.match(key)
+                embedding = _EMBEDDING_KEY_RE.match(key) if match is None else None
+                if embedding is not None and embedding["module"] in info.embeddings:
+                    match = embedding
+                elif match is None or match["module"] in info.embeddings:
+                    raise LoRAError(name, f"tensor {key!r} is not a LoRA A/B weight we support")
+                tensor = f.get_tensor(key)
+                if not _finite(tensor):
+                    raise LoRAError(name, f"tensor {key!r} holds NaN or infinite values")
+                pairs.setdefault(match["module"], {})[match["ab"]] = tensor
+                keys[match["module"], match["ab"]] = key
+    except SafetensorError as e:
+        raise LoRAError(name, f"{WEIGHTS_FILE} is not a valid safetensors file: {e}") from e
+    return pairs, keys
+
+
+def _check_base_copy(name: str, key: str, saved: torch.Tensor, base: torch.Tensor) -> None:
+    """PEFT loads such a copy over the base layer: only an unchanged one keeps the
+    base model (and every other request) as it is."""
+    if saved.shape != base.shape:
+        raise LoRAError(
+            name, f"tensor {key!r} has shape {tuple(saved.shape)} where the model has "
+            f"{tuple(base.shape)}: the adapter resizes the vocabulary (added tokens), which "
+            "loraserve does not support"
+        )
+    if not torch.equal(saved.to(base.device, base.dtype), base):
+        raise LoRAError(
+            name, f"tensor {key!r} differs from the base model's weight: adapters that "
+            "retrain the embedding or lm_head matrix are not supported"
+        )
+
+
+def _tie_lm_head(config: PeftConfig, info: ModelLoRAInfo,
+                 pairs: dict[str, dict[str, torch.Tensor]],
+                 keys: dict[tuple[str, str], str]) -> None:
+    """With ensure_weight_tying on a tied model, PEFT runs lm_head with the
+    embedding's LoRA transposed (A = embedding B.T, B = embedding A.T)."""
+    if not (config.ensure_weight_tying and info.tied):
+        return
+    embedding, lm_head = info.tied
+    emb = pairs.get(embedding)
+    if emb is None or set(emb) != {"A", "B"}:
+        return
+    pairs[lm_head] = {"A": emb["B"].T, "B": emb["A"].T}
+    keys[lm_head, "A"], keys[lm_head, "B"] = keys[embedding, "B"], keys[embedding, "A"]
 
 
 def _finite(tensor: torch.Tensor) -> bool:

@@ -58,6 +58,16 @@ class PunicaWrapper(ABC):
         """y[t, slice i] += (x[t] @ lora_a[i][s].T) @ lora_b[i][s].T for s = slot of t."""
 
     @abstractmethod
+    def add_lora_embedding(
+        self,
+        y: torch.Tensor,
+        input_ids: torch.Tensor,
+        lora_a_t: torch.Tensor,
+        lora_b: torch.Tensor,
+    ) -> None:
+        """y[t] += lora_a_t[s, input_ids[t]] @ lora_b[s].T for s = slot of t."""
+
+    @abstractmethod
     def linear(
         self,
         base: Projection,
@@ -116,6 +126,19 @@ class TorchPunicaWrapper(PunicaWrapper):
                 delta = (xs @ a[slot].T) @ b[slot].T
                 y[rows, offset:offset + width] += delta.to(y.dtype)
                 offset += width
+
+    def add_lora_embedding(
+        self,
+        y: torch.Tensor,
+        input_ids: torch.Tensor,
+        lora_a_t: torch.Tensor,
+        lora_b: torch.Tensor,
+    ) -> None:
+        if not self.any_lora:
+            return
+        for slot, rows in self._slot_rows:
+            delta = lora_a_t[slot][input_ids[rows]] @ lora_b[slot].T
+            y[rows] += delta.to(y.dtype)
 
     def linear(
         self,

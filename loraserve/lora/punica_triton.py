@@ -23,6 +23,25 @@ from loraserve.kernels.lora_shrink import lora_shrink
 from loraserve.lora.punica import Projection, PunicaWrapper
 
 
+def add_lora_embedding(
+    y: torch.Tensor,
+    input_ids: torch.Tensor,
+    lora_a_t: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    identity: torch.Tensor,
+    meta: LoRAMetadata,
+) -> None:
+    """y[t] += lora_a_t[s, input_ids[t]] @ lora_b[s].T for s = token_slots[t] >= 0.
+
+    The gather of each token's A row is plain indexing on the device (no host
+    sync, fixed shapes, so CUDA graphs capture it); the product with B is the
+    LoRA kernels' op with an identity A, which skips tokens of slot -1 (whose
+    gathered row, from slot 0, is never read)."""
+    rows = lora_a_t[token_slots.clamp(min=0).long(), input_ids]
+    add_lora_linear(y, rows, [identity], [lora_b], token_slots, meta)
+
+
 class TritonPunicaWrapper(PunicaWrapper):
     def __init__(self, max_num_tokens: int, num_slots: int, device: torch.device) -> None:
         super().__init__(max_num_tokens, num_slots, device)
@@ -31,6 +50,9 @@ class TritonPunicaWrapper(PunicaWrapper):
         self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device)
         self.meta = LoRAMetadata(max_num_tokens, num_slots, device)
         self.side_stream = torch.cuda.Stream(device)
+        # [slot, r, r] identities: the embedding's update runs as a LoRA linear op
+        # on its gathered A rows (built on the first call, before any capture).
+        self._eye: torch.Tensor | None = None
 
     def update_mapping(self, token_slots: list[int]) -> None:
         n = len(token_slots)
@@ -56,6 +78,26 @@ class TritonPunicaWrapper(PunicaWrapper):
     ) -> None:
         if self.any_lora:
             add_lora_linear(y, x, lora_a, lora_b, self.token_slots[: x.shape[0]], self.meta)
+
+    def add_lora_embedding(
+        self,
+        y: torch.Tensor,
+        input_ids: torch.Tensor,
+        lora_a_t: torch.Tensor,
+        lora_b: torch.Tensor,
+    ) -> None:
+        if self.any_lora:
+            slots = self.token_slots[: input_ids.shape[0]]
+            add_lora_embedding(y, input_ids, lora_a_t, lora_b, slots, self._identity(lora_a_t),
+                               self.meta)
+
+    def _identity(self, lora_a_t: torch.Tensor) -> torch.Tensor:
+        num_slots, _, rank = lora_a_t.shape
+        eye = self._eye
+        if eye is None or eye.shape != (num_slots, rank, rank) or eye.dtype != lora_a_t.dtype:
+            eye = self._eye = torch.eye(rank, dtype=lora_a_t.dtype, device=self.device).expand(
+                num_slots, rank, rank).contiguous()
+        return eye
 
     def linear(
         self,

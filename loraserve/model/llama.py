@@ -16,9 +16,51 @@ from typing import Any
 import torch
 from torch import nn
 
-from loraserve.model.linear import Linear
+from loraserve.distributed.parallel_state import SINGLE, TensorParallel
+from loraserve.model.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from loraserve.model.ops import TORCH_OPS, TorchOps
 from loraserve.model.rope import RotaryEmbedding, head_dim_of
+
+
+def _column(in_features: int, shards: list[tuple[int, int]], bias: bool, ops: TorchOps,
+            tp: TensorParallel) -> Linear:
+    """A merged projection split by output rows over the ranks (one rank: whole)."""
+    if tp.world_size == 1:
+        return Linear(in_features, sum(n for _, n in shards), bias=bias, ops=ops)
+    return ColumnParallelLinear(in_features, shards, bias, tp, ops)
+
+
+def _row(in_features: int, out_features: int, bias: bool, ops: TorchOps,
+         tp: TensorParallel) -> Linear:
+    """A projection split by input columns over the ranks (one rank: whole)."""
+    if tp.world_size == 1:
+        return Linear(in_features, out_features, bias=bias, ops=ops)
+    return RowParallelLinear(tp.shard(in_features), out_features, bias, tp, ops)
+
+
+def kv_head_shard(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
+    """(first KV head, count) of this rank: split when there are enough heads,
+    else one head, replicated over the ranks whose query heads share it."""
+    if num_kv_heads >= tp.world_size:
+        return tp.shard(num_kv_heads)
+    return tp.rank * num_kv_heads // tp.world_size, 1
+
+
+def check_tensor_parallel(cfg: Any, world_size: int) -> None:
+    """Raise ValueError unless the model's heads and MLP split over ``world_size``."""
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    problems = []
+    if heads % world_size:
+        problems.append(f"num_attention_heads {heads}")
+    if kv % world_size and world_size % kv:
+        problems.append(f"num_key_value_heads {kv} (nor is it a multiple of it)")
+    for name in ("intermediate_size", "hidden_size"):
+        if getattr(cfg, name) % world_size:
+            problems.append(f"{name} {getattr(cfg, name)}")
+    if problems:
+        raise ValueError(f"tensor_parallel_size {world_size} does not divide the model's "
+                         + ", ".join(problems))
 
 
 class RMSNorm(nn.Module):
@@ -34,20 +76,26 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, ops: TorchOps) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, ops: TorchOps,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        # This rank's heads (all of them on one rank).
+        total_heads = cfg.num_attention_heads
+        self.num_heads = total_heads // tp.world_size
+        first_kv, self.num_kv_heads = kv_head_shard(
+            getattr(cfg, "num_key_value_heads", None) or total_heads, tp)
         self.head_dim = head_dim_of(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = (bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
                 or bool(getattr(cfg, "qkv_bias", False)))
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias,
-                               ops=ops)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=bool(
+        kv_shard = (first_kv * self.head_dim, self.kv_size)
+        self.qkv_proj = _column(
+            cfg.hidden_size, [(tp.rank * self.q_size, self.q_size), kv_shard, kv_shard],
+            bias, ops, tp)
+        self.o_proj = _row(total_heads * self.head_dim, cfg.hidden_size, bool(
             getattr(cfg, "attention_bias", False)) and cfg.model_type not in ("qwen2", "qwen3"),
-            ops=ops)
+            ops, tp)
         self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
@@ -96,14 +144,17 @@ def _sliding_window(cfg: Any, layer_idx: int) -> int | None:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Any, ops: TorchOps, intermediate_size: int | None = None) -> None:
+    def __init__(self, cfg: Any, ops: TorchOps, tp: TensorParallel = SINGLE,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
         # An explicit width: a MoE model's shared expert (loraserve.model.moe).
         inter = intermediate_size or cfg.intermediate_size
-        self.intermediate_size = inter
+        # This rank's columns of the intermediate activation.
+        shard = tp.shard(inter)
+        self.intermediate_size = shard[1]
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=bias, ops=ops)
-        self.down_proj = Linear(inter, cfg.hidden_size, bias=bias, ops=ops)
+        self.gate_up_proj = _column(cfg.hidden_size, [shard, shard], bias, ops, tp)
+        self.down_proj = _row(inter, cfg.hidden_size, bias, ops, tp)
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
 
@@ -114,20 +165,20 @@ class MLP(nn.Module):
         return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
-# Builds a layer's MLP: (config, layer index, ops) -> module of x.
-MLPFactory = Callable[[Any, int, TorchOps], nn.Module]
+# Builds a layer's MLP: (config, layer index, ops, tensor parallelism) -> module of x.
+MLPFactory = Callable[[Any, int, TorchOps, TensorParallel], nn.Module]
 
 
-def dense_mlp(cfg: Any, layer_idx: int, ops: TorchOps) -> nn.Module:
-    return MLP(cfg, ops)
+def dense_mlp(cfg: Any, layer_idx: int, ops: TorchOps, tp: TensorParallel) -> nn.Module:
+    return MLP(cfg, ops, tp)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, ops: TorchOps,
-                 make_mlp: MLPFactory = dense_mlp) -> None:
+                 tp: TensorParallel = SINGLE, make_mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, rotary, ops)
-        self.mlp = make_mlp(cfg, layer_idx, ops)
+        self.self_attn = Attention(cfg, layer_idx, rotary, ops, tp)
+        self.mlp = make_mlp(cfg, layer_idx, ops, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -159,14 +210,15 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: Any, max_model_len: int, ops: TorchOps,
-                 make_mlp: MLPFactory = dense_mlp) -> None:
+                 tp: TensorParallel = SINGLE, make_mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
+        # Replicated on every rank under tensor parallelism (as is the lm_head).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg, max_model_len)
         # One rotary table shared by every layer; registered once here.
         self.rotary_emb = rotary
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, rotary, ops, make_mlp) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, rotary, ops, tp, make_mlp) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -193,15 +245,24 @@ class LlamaFamilyForCausalLM(nn.Module):
         "o_proj": ("o_proj",),
         "gate_up_proj": ("gate_proj", "up_proj"),
         "down_proj": ("down_proj",),
+        "embed_tokens": ("embed_tokens",),
+        "lm_head": ("lm_head",),
     }
 
     # Each layer's MLP; a MoE family (loraserve.model.moe) builds sparse blocks.
     make_mlp: MLPFactory = staticmethod(dense_mlp)
 
-    def __init__(self, cfg: Any, max_model_len: int, ops: TorchOps = TORCH_OPS) -> None:
+    def __init__(self, cfg: Any, max_model_len: int, ops: TorchOps = TORCH_OPS,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        if tp.world_size > 1:
+            check_tensor_parallel(cfg, tp.world_size)
         self.config = cfg
-        self.model = LlamaModel(cfg, max_model_len, ops, type(self).make_mlp)
+        self.tp = tp
+        self.model = LlamaModel(cfg, max_model_len, ops, tp, type(self).make_mlp)
+        attn = self.model.layers[0].self_attn
+        # This rank's attention heads (the KV cache holds num_kv_heads of them).
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, ops=ops)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -214,7 +275,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def slice_sizes(self, module_name: str) -> list[int]:
-        """Output widths of the slices of one of our LoRA-capable modules."""
+        """Output widths of the slices of one of our LoRA-capable modules (this
+        rank's share under tensor parallelism)."""
         attn = self.model.layers[0].self_attn
         inter = getattr(self.model.layers[0].mlp, "intermediate_size", None)
         return {
@@ -222,4 +284,17 @@ class LlamaFamilyForCausalLM(nn.Module):
             "o_proj": [self.config.hidden_size],
             "gate_up_proj": [inter, inter],
             "down_proj": [self.config.hidden_size],
+            "embed_tokens": [self.config.hidden_size],
+            "lm_head": [self.config.vocab_size],
         }[module_name]
+
+    def full_slice_sizes(self, module_name: str) -> list[int]:
+        """Output widths of a module's slices in the checkpoint (and in an
+        adapter): the whole model's, whichever rank this is."""
+        if self.tp.world_size == 1:
+            return self.slice_sizes(module_name)
+        cfg, head_dim = self.config, self.model.layers[0].self_attn.head_dim
+        q = cfg.num_attention_heads * head_dim
+        kv = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * head_dim
+        full = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
+        return full.get(module_name) or self.slice_sizes(module_name)

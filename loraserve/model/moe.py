@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraserve.distributed.parallel_state import TensorParallel
 from loraserve.model.linear import Linear
 from loraserve.model.llama import MLP, LlamaFamilyForCausalLM
 from loraserve.model.moe_ops import ExpertsLoRA
@@ -136,7 +137,8 @@ class MoeForCausalLM(LlamaFamilyForCausalLM):
     dense wrappers, and the experts' projections through ``ExpertsWithLoRA``."""
 
     @staticmethod
-    def make_mlp(cfg: Any, layer_idx: int, ops: TorchOps) -> nn.Module:
+    def make_mlp(cfg: Any, layer_idx: int, ops: TorchOps, tp: TensorParallel) -> nn.Module:
+        # MoE models run on one rank (config refuses tensor parallelism for them).
         if is_sparse_layer(cfg, layer_idx):
             return SparseMoeBlock(cfg, ops)
         return MLP(cfg, ops)

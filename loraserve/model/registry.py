@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from loraserve.distributed.parallel_state import SINGLE, TensorParallel
 from loraserve.model.llama import LlamaFamilyForCausalLM
 from loraserve.model.moe import MoeForCausalLM
 from loraserve.model.ops import TORCH_OPS, TorchOps
@@ -48,16 +49,21 @@ def build_model(
     device: torch.device,
     max_model_len: int,
     ops: TorchOps = TORCH_OPS,
+    tp: TensorParallel = SINGLE,
 ) -> LlamaFamilyForCausalLM:
-    """The model for ``hf_config``, its layers computed by ``ops`` (the backend's)."""
+    """The model for ``hf_config``, its layers computed by ``ops`` (the backend's),
+    holding this rank's shard under tensor parallelism ``tp``."""
     arch = check_architecture(hf_config)
     family = MoeForCausalLM if arch in MOE_ARCHITECTURES else LlamaFamilyForCausalLM
+    if family is MoeForCausalLM and tp.world_size > 1:
+        raise ValueError(f"{arch}: tensor parallelism is not supported for MoE models")
     # Build straight on the device in the target dtype: no full-size fp32 copy.
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = family(hf_config, max_model_len=max_model_len, ops=ops)
+            model = family(hf_config, max_model_len=max_model_len, ops=ops,
+                           **({"tp": tp} if tp.world_size > 1 else {}))
     finally:
         torch.set_default_dtype(previous)
     return model

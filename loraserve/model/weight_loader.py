@@ -10,6 +10,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from loraserve import envs
+from loraserve.model.linear import ColumnParallelLinear, RowParallelLinear
 
 # Checkpoint tensors we do not need: rotary tables are recomputed.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -51,10 +52,10 @@ def load_weights(model: torch.nn.Module, model_dir: str, show_progress: bool = T
                     continue
                 if _load_expert_piece(model, params, f, stored_name, name, loaded):
                     continue
-                target, offset = _target_of(model, name)
+                target, offset, slice_idx = _target_of(model, name)
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                tensor = f.get_tensor(stored_name)
+                tensor = _this_ranks_shard(model, target, slice_idx, f.get_tensor(stored_name))
                 start, size = offset if offset is not None else (0, params[target].shape[0])
                 dest = params[target][start:start + size]
                 _check_shape(name, dest.shape, tensor.shape)
@@ -123,8 +124,21 @@ def _check_shape(name: str, want, got) -> None:
                          f"{tuple(want)}")
 
 
-def _target_of(model, name: str) -> tuple[str, tuple[int, int] | None]:
-    """Map a checkpoint tensor name to (our parameter name, (row offset, rows) or None)."""
+def _this_ranks_shard(model, target: str, slice_idx: int, tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a full checkpoint tensor that this tensor-parallel rank holds:
+    its rows of a column-parallel slice, its columns of a row-parallel weight."""
+    module_path, _, kind = target.rpartition(".")
+    module = model.get_submodule(module_path) if module_path else model
+    if isinstance(module, ColumnParallelLinear):
+        return module.shard_rows(tensor, slice_idx)
+    if isinstance(module, RowParallelLinear) and kind == "weight":
+        return module.shard_cols(tensor)
+    return tensor
+
+
+def _target_of(model, name: str) -> tuple[str, tuple[int, int] | None, int]:
+    """Map a checkpoint tensor name to (our parameter name, (row offset, rows) or
+    None, slice index)."""
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in model.stacked_modules:
@@ -133,8 +147,8 @@ def _target_of(model, name: str) -> tuple[str, tuple[int, int] | None]:
             # Biases and weights are both sliced along their first dimension.
             start = sum(sizes[:slice_idx])
             new = parts[:i] + [merged] + parts[i + 1:]
-            return ".".join(new), (start, sizes[slice_idx])
-    return name, None
+            return ".".join(new), (start, sizes[slice_idx]), slice_idx
+    return name, None, 0
 
 
 @torch.no_grad()

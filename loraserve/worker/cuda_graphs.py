@@ -91,6 +91,13 @@ class DecodeGraphs:
         runner.punica.any_lora = with_lora
         if with_lora:
             runner.punica.refresh_device_mapping(bs)
+        logits_punica = runner.logits_punica
+        if logits_punica is not None:
+            # Every token of a decode step samples: the lm_head's rows are the tokens.
+            logits_punica.any_lora = with_lora
+            if with_lora:
+                logits_punica.token_slots[:bs].copy_(runner.punica.token_slots[:bs])
+                logits_punica.refresh_device_mapping(bs)
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs], query_start_loc=[], seq_lens=[],
             block_tables=[], block_size=runner.block_size,
@@ -121,6 +128,8 @@ class DecodeGraphs:
         reserved_before = torch.cuda.memory_reserved(dev)
         start = time.perf_counter()
         self.runner.punica.token_slots.fill_(-1)
+        if self.runner.logits_punica is not None:
+            self.runner.logits_punica.token_slots.fill_(-1)
         warmed_lora: set[tuple] = set()
         for bs in reversed(self.sizes):
             lora_kernels = self._lora_kernels(bs)
@@ -166,6 +175,9 @@ class DecodeGraphs:
             slots[:n].copy_(runner.host_tensor(inputs.token_lora_slots, slots.dtype),
                             non_blocking=True)
             slots[n:bs].fill_(-1)
+        if inputs.pending_dst:
+            # Only rank 0 sampled them (tensor parallelism; a no-op on one rank).
+            runner.tp.broadcast(self.sampled)
         graph, logits = self.graphs[(bs, case)]
         graph.replay()
         return logits[:n]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraserve.config import EngineConfig
+from loraserve.distributed.parallel_state import SINGLE, TensorParallel
 from loraserve.lora.manager import LoRAManager
 from loraserve.model.registry import build_model
 from loraserve.model.rope import head_dim_of
@@ -68,16 +69,20 @@ class PreparedInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel = SINGLE) -> None:
         self.config = config
+        # Under tensor parallelism: this rank's place; rank 0 drives every step.
+        self.tp = tp
         mc = config.model_config
         self.device = config.device
+        if tp.world_size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", tp.rank)
         self.dtype = mc.dtype
         torch.manual_seed(mc.seed)
         self.backend = select_backend(self.device)
         start = time.perf_counter()
         model = build_model(mc.hf_config, self.dtype, self.device, mc.max_model_len,
-                            self.backend.ops)
+                            self.backend.ops, tp)
         if mc.load_format == "dummy":
             init_dummy_weights(model, mc.seed)
         else:
@@ -94,17 +99,29 @@ class ModelRunner:
         self.punica = self.backend.punica_wrapper(self.max_num_tokens, num_slots, self.device)
         # The LoRA facade the engine drives: adapter caches, device slots, loads.
         self.loras: LoRAManager | None = None
+        # The lm_head's LoRA maps the rows whose logits are computed, not the tokens.
+        self.logits_punica = None
         if config.lora_config is not None:
-            self.loras = LoRAManager(self.model, config.lora_config, self.punica)
+            if "lm_head" in self.model.lora_modules:
+                self.logits_punica = self.backend.punica_wrapper(
+                    self.max_num_tokens, num_slots, self.device)
+            self.loras = LoRAManager(self.model, config.lora_config, self.punica,
+                                     logits_punica=self.logits_punica)
+            if tp.world_size > 1 and tp.is_driver:
+                # The slots rank 0 writes, for the other ranks to write the same.
+                self.loras.slot_log = []
 
         hf = mc.hf_config
         self.num_layers = hf.num_hidden_layers
-        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        # This rank's heads (all of them without tensor parallelism).
+        num_heads = getattr(model, "num_heads", hf.num_attention_heads)
+        self.num_kv_heads = getattr(model, "num_kv_heads", None) or getattr(
+            hf, "num_key_value_heads", None) or num_heads
         self.head_dim = head_dim_of(hf)
         self.block_size = config.cache_config.block_size
         self.max_blocks_per_seq = -(-mc.max_model_len // self.block_size)
         self.attn_workspace = self.backend.attention.make_workspace(
-            hf.num_attention_heads, self.head_dim, self.device)
+            num_heads, self.head_dim, self.device)
         self.sampler = Sampler(self.device, mc.seed, argmax=self.backend.ops.argmax)
         self.pin_memory = self.device.type == "cuda"  # see host_tensor
         # The last step's sampled ids on the device, and each request's row there.
@@ -117,7 +134,8 @@ class ModelRunner:
             self.dtype, self.device,
         )
         peak = self._profile() if self.device.type == "cuda" else 0
-        self.num_kv_blocks = self._decide_num_blocks(peak)
+        # Every rank's cache holds the same blocks: the smallest count fits them all.
+        self.num_kv_blocks = tp.min_int(self._decide_num_blocks(peak))
         self.kv_caches = allocate_kv_cache(
             self.num_layers, self.num_kv_blocks, self.block_size, self.num_kv_heads,
             self.head_dim, self.dtype, self.device,
@@ -155,7 +173,7 @@ class ModelRunner:
             sample_indices=[q - 1 for q in qsl[1:]], is_decode=False,
         )
         hidden = self._forward_eager(inputs)
-        self.model.compute_logits(hidden[: num_seqs])
+        self.compute_logits(hidden[: num_seqs], inputs.token_lora_slots[: num_seqs])
         del hidden
         torch.cuda.synchronize(self.device)
         # Only the transient part: what stays allocated is already off the free memory.
@@ -236,14 +254,14 @@ class ModelRunner:
         for them: the sampled batch (None when no sequence samples this step) and the
         prompt logprobs of the sequences that asked for them (None when none did)."""
         inputs = self.prepare(step, lora_slots)
+        if self.tp.world_size > 1:
+            self.share_step(inputs)
         sampling = [s for s in step.seqs if s.sampling is not None]
         rows = [s.sampling for s in sampling]
         graphs = self.graphs
         batch = None
         prompt_lps = None
-        # A sequence reading prompt logits has a chunk without sampling or longer
-        # than one token: such a step is never a decode step, so never a graph.
-        if graphs is not None and inputs.is_decode and graphs.fits(len(step.seqs)):
+        if self._uses_graph(inputs):
             logits = graphs.run(inputs)
             if self.sampler.argmax_suffices(rows):
                 # The graph took the argmax already, into graphs.sampled.
@@ -254,13 +272,17 @@ class ModelRunner:
             else:
                 hidden = self._forward_eager(inputs)
             if inputs.prompt_rows:
+                row_slots = [inputs.token_lora_slots[r] for r in inputs.prompt_rows]
                 prompt_lps = prompt_logprobs(
-                    self.model.compute_logits, hidden[self.to_device(inputs.prompt_rows)],
+                    lambda h, rows: self.compute_logits(h, row_slots[rows]),
+                    hidden[self.to_device(inputs.prompt_rows)],
                     inputs.prompt_targets, inputs.prompt_counts, inputs.prompt_num_top)
             if not sampling:
                 self._last_sampled, self._last_rows = None, {}
                 return None, prompt_lps
-            logits = self.model.compute_logits(hidden[self.to_device(inputs.sample_indices)])
+            logits = self.compute_logits(
+                hidden[self.to_device(inputs.sample_indices)],
+                [inputs.token_lora_slots[i] for i in inputs.sample_indices])
         if batch is None:
             batch = self.sampler.sample(logits, rows)
             if graphs is not None:
@@ -269,6 +291,45 @@ class ModelRunner:
         self._last_sampled = batch.token_ids
         self._last_rows = {s.request_id: i for i, s in enumerate(sampling)}
         return batch, prompt_lps
+
+    def _uses_graph(self, inputs: PreparedInputs) -> bool:
+        # A sequence reading prompt logits has a chunk without sampling or longer
+        # than one token: such a step is never a decode step, so never a graph.
+        return (self.graphs is not None and inputs.is_decode
+                and self.graphs.fits(len(inputs.seq_lens)))
+
+    # ---- tensor parallelism ------------------------------------------------------
+
+    def share_step(self, inputs: PreparedInputs) -> None:
+        """Rank 0: send the step and the adapter slots written since the last one."""
+        log = self.loras.slot_log if self.loras is not None else None
+        writes = list(log) if log else []
+        if log:
+            log.clear()
+        self.tp.broadcast_object((inputs, writes))
+
+    @torch.no_grad()
+    def run_shared_step(self) -> bool:
+        """Ranks 1 .. N-1: run rank 0's next step on this shard (no logits: rank 0
+        samples). False when rank 0 stops the group."""
+        message = self.tp.broadcast_object()
+        if message is None:
+            return False
+        inputs, writes = message
+        for slot, adapter in writes:
+            self.loras.write_shared_slot(slot, adapter)
+        if self._uses_graph(inputs):
+            self.graphs.run(inputs)
+        else:
+            self._forward_eager(inputs)
+        return True
+
+    def compute_logits(self, hidden: torch.Tensor, row_slots: list[int]) -> torch.Tensor:
+        """Logits of these rows of the hidden states; ``row_slots`` are their adapters'
+        slots, for the lm_head's LoRA."""
+        if self.logits_punica is not None:
+            self.logits_punica.update_mapping(row_slots)
+        return self.model.compute_logits(hidden)
 
     def host_tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         """Host inputs go through pinned memory: a copy from pageable memory may wait
@@ -289,7 +350,11 @@ class ModelRunner:
         meta = self.attention_metadata(inputs)
         attn = self.backend.attention(meta, self.attn_workspace)
         input_ids = self.to_device(inputs.input_ids)
-        self.fill_pending(input_ids, inputs)
+        if inputs.pending_dst:
+            # Only rank 0 holds the sampled tokens; the other ranks take its ids.
+            if self.tp.is_driver:
+                self.fill_pending(input_ids, inputs)
+            self.tp.broadcast(input_ids)
         return self.model(input_ids, self.to_device(inputs.positions), self.kv_caches, attn)
 
     def attention_metadata(self, inputs: PreparedInputs) -> AttentionMetadata:

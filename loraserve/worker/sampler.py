@@ -280,7 +280,7 @@ class PromptLogprobsBatch:
 
 @torch.no_grad()
 def prompt_logprobs(
-    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    compute_logits: Callable[[torch.Tensor, slice], torch.Tensor],
     hidden: torch.Tensor,
     targets: list[int],
     counts: list[int],
@@ -289,14 +289,16 @@ def prompt_logprobs(
     """Logprobs of `targets` (the next prompt token at each row of `hidden`) from
     the fp32 log-softmax of the logits, their ranks (the number of tokens at least
     as likely, itself included, as vLLM counts them) and the top max(num_top)
-    alternatives, queued for the host."""
+    alternatives, queued for the host. ``compute_logits(chunk, rows)`` gets each
+    chunk of `hidden` and its slice of the rows (for the rows' adapters)."""
     dev = hidden.device
     k = max(num_top, default=0)
     target_t = torch.tensor(targets, dtype=torch.long).to(dev, non_blocking=True)
     chosen, ranks, top_ids, top_vals = [], [], [], []
     for start in range(0, len(targets), _PROMPT_LOGPROBS_ROWS):
         end = start + _PROMPT_LOGPROBS_ROWS
-        logprobs = torch.log_softmax(compute_logits(hidden[start:end]).float(), dim=-1)
+        rows = slice(start, end)
+        logprobs = torch.log_softmax(compute_logits(hidden[rows], rows).float(), dim=-1)
         picked = logprobs.gather(1, target_t[start:end, None])
         chosen.append(picked.squeeze(1))
         ranks.append((logprobs >= picked).sum(dim=-1))

@@ -1,0 +1,104 @@
+"""Offline throughput at several tensor-parallel sizes, base vs LoRA.
+
+Each size runs in its own process (an engine's GPU memory is only wholly given
+back when its process ends), through offline.py's runs, and the report gives,
+per size, base and LoRA output tokens/s, LoRA/base, and each size's throughput
+over the first size's:
+
+    python benchmarks/make_bench_setup.py --out /tmp/bench --num-adapters 32 --rank 16
+    python benchmarks/tensor_parallel.py --model /tmp/bench/llama3-8b-shape \
+        --load-format dummy --adapters /tmp/bench/adapters --sizes 1 2 \
+        --num-requests 256 --input-len 512 --output-len 128 --json tp.json
+
+Add ``--fully-sharded-loras`` to shard the adapters completely at sizes above 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from offline import machine, make_prompts, mixed_adapters, run
+
+from loraserve import LLM, SamplingParams
+
+
+def one_size(args: argparse.Namespace) -> dict:
+    """Base and LoRA runs at args.size ranks, in this process."""
+    use_lora = args.adapters is not None
+    llm = LLM(args.model, load_format=args.load_format, enable_lora=use_lora,
+              max_loras=args.max_loras or args.num_adapters, max_lora_rank=args.max_lora_rank,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              enforce_eager=args.enforce_eager, enable_prefix_caching=False,
+              tensor_parallel_size=args.size,
+              fully_sharded_loras=args.fully_sharded_loras and args.size > 1 and use_lora)
+    vocab = llm.config.model_config.hf_config.vocab_size
+    prompts = make_prompts(args.num_requests, args.input_len, vocab)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    result = {"base": run(llm, prompts, params, None)}
+    if use_lora:
+        loras = mixed_adapters(args.adapters, args.num_adapters, len(prompts))
+        result["lora"] = run(llm, prompts, params, loras)
+        result["lora_over_base"] = (result["lora"]["output_tok_per_s"]
+                                    / result["base"]["output_tok_per_s"])
+    llm.shutdown()
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", required=True)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--adapters", type=Path, help="folder of PEFT adapter folders")
+    p.add_argument("--num-adapters", type=int, default=32)
+    p.add_argument("--max-loras", type=int, default=None)
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--fully-sharded-loras", action="store_true")
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--size", type=int, help=argparse.SUPPRESS)  # one size, in a child
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+
+    if args.size is not None:
+        args.json.write_text(json.dumps(one_size(args)))
+        return
+    results: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
+                     "machine": machine()}
+    child_args = list(sys.argv[1:])
+    if "--json" in child_args:
+        i = child_args.index("--json")
+        del child_args[i:i + 2]
+    if "--sizes" in child_args:
+        i = child_args.index("--sizes")
+        del child_args[i:i + 1 + len(args.sizes)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in args.sizes:
+            out = Path(tmp) / f"tp{size}.json"
+            subprocess.run([sys.executable, __file__, *child_args, "--size", str(size),
+                            "--json", str(out)], check=True)
+            results[f"tp{size}"] = json.loads(out.read_text())
+            print(json.dumps({f"tp{size}": results[f"tp{size}"]}), flush=True)
+    first = results[f"tp{args.sizes[0]}"]
+    for size in args.sizes[1:]:
+        this = results[f"tp{size}"]
+        for kind in ("base", "lora"):
+            if kind in this:
+                results[f"{kind}_tp{size}_over_tp{args.sizes[0]}"] = (
+                    this[kind]["output_tok_per_s"] / first[kind]["output_tok_per_s"])
+    print(json.dumps(results, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

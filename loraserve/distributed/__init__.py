@@ -1,0 +1,1 @@
+"""Tensor parallelism: the process group of one engine and its worker processes."""
