@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import loraserve
 from loraserve import envs
@@ -17,6 +17,10 @@ from loraserve.entrypoints.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
 from loraserve.entrypoints.serving_models import LoRAModulePath
 from loraserve.entrypoints.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
 from loraserve.model.builtin import BUILTIN_MODELS
+
+if TYPE_CHECKING:
+    from loraserve.entrypoints.api_server import ServerSettings
+    from loraserve.ray.app import RayOptions
 
 ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -102,6 +106,49 @@ def _add_serve_parser(subparsers: Any) -> None:
         description="Serve a base model and its LoRA adapters over an OpenAI-compatible API.",
         formatter_class=_HelpFormatter,
     )
+    _add_serve_arguments(serve)
+
+
+def _add_serve_ray_parser(subparsers: Any) -> None:
+    serve_ray = subparsers.add_parser(
+        "serve-ray",
+        help="Serve on Ray Serve: one OpenAI-compatible ingress over several engine replicas.",
+        description="Serve a base model and its LoRA adapters on Ray Serve: requests for an "
+        "adapter go to a replica that already holds it (Ray Serve's model multiplexing).",
+        formatter_class=_HelpFormatter,
+    )
+    _add_serve_arguments(serve_ray)
+    ray_group = serve_ray.add_argument_group("Ray Serve")
+    ray_group.add_argument(
+        "--num-replicas", type=_positive_int, default=1,
+        help="Engine replicas to start with (each runs its own engine core).",
+    )
+    ray_group.add_argument(
+        "--max-replicas", type=_positive_int, default=None,
+        help="Let Ray Serve's autoscaling add replicas under load, up to this many "
+        "(default: a fixed --num-replicas).",
+    )
+    ray_group.add_argument(
+        "--target-ongoing-requests", type=float, default=16.0,
+        help="Autoscaling target: requests in flight per replica.",
+    )
+    ray_group.add_argument(
+        "--replica-num-cpus", type=float, default=1.0,
+        help="CPUs Ray reserves for each engine replica.",
+    )
+    ray_group.add_argument(
+        "--replica-num-gpus", type=float, default=None,
+        help="GPUs Ray reserves for each engine replica (default: 1 with --device cuda "
+        "or auto on a GPU machine, else 0).",
+    )
+    ray_group.add_argument(
+        "--ray-address", default=None,
+        help="The Ray cluster to join, as ray.init takes it (default: $RAY_ADDRESS, else a "
+        "local cluster on this machine).",
+    )
+
+
+def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "model_tag", nargs="?", metavar="MODEL",
         help="Model: a local Hugging Face folder, a Hub repo id, or a built-in model name "
@@ -340,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=loraserve.__version__)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve_parser(subparsers)
+    _add_serve_ray_parser(subparsers)
     return parser
 
 
@@ -384,7 +432,7 @@ def validate_serve_args(args: argparse.Namespace) -> None:
         raise CLIError(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree")
     args.model = args.model or args.model_tag
     if not args.model:
-        raise CLIError("a MODEL is required: loraserve serve MODEL")
+        raise CLIError(f"a MODEL is required: loraserve {args.command} MODEL")
     if not 0 < args.port < 65536:
         raise CLIError(f"--port must be in 1..65535, got {args.port}")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
@@ -446,10 +494,11 @@ def _or_any(values: list[str] | None) -> list[str]:
     return ["*"] if values is None else values
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def build_server_settings(args: argparse.Namespace) -> tuple[ServerSettings, Any]:
+    """The validated flags as the server's settings, and the model's tokenizer."""
     from loraserve.config import EngineConfig
     from loraserve.engine.tokenizer import eos_token_id, load_tokenizer
-    from loraserve.entrypoints.api_server import CORSPolicy, ServerSettings, serve
+    from loraserve.entrypoints.api_server import CORSPolicy, ServerSettings
     from loraserve.entrypoints.serving_common import load_sampling_defaults
 
     # Built and checked once, here (a built-in model or a Hub repo is resolved once
@@ -501,10 +550,63 @@ def run_serve(args: argparse.Namespace) -> int:
         ssl_ca_certs=args.ssl_ca_certs,
         ssl_cert_reqs=args.ssl_cert_reqs,
     )
+    return settings, tokenizer
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from loraserve.entrypoints.api_server import serve
+
+    settings, tokenizer = build_server_settings(args)
     try:
         return asyncio.run(serve(settings, tokenizer))
     except (KeyboardInterrupt, asyncio.CancelledError):
         return 0
+
+
+def validate_serve_ray_args(args: argparse.Namespace) -> None:
+    """What `serve-ray` refuses on top of `serve`'s checks: the HTTP side is Ray
+    Serve's proxy, which terminates no TLS and serves at the root."""
+    given = [flag for flag, value in (("--ssl-keyfile", args.ssl_keyfile),
+                                      ("--ssl-certfile", args.ssl_certfile),
+                                      ("--root-path", args.root_path)) if value]
+    if given:
+        raise CLIError(f"{', '.join(given)}: not available with serve-ray (Ray Serve's HTTP "
+                       "proxy answers); put a TLS proxy in front of it")
+    if args.max_replicas is not None and args.max_replicas < args.num_replicas:
+        raise CLIError(f"--max-replicas ({args.max_replicas}) must be at least "
+                       f"--num-replicas ({args.num_replicas})")
+    if args.target_ongoing_requests <= 0:
+        raise CLIError("--target-ongoing-requests must be above 0")
+
+
+def ray_options(args: argparse.Namespace) -> RayOptions:
+    """The `serve-ray` flags as RayOptions (this imports Ray)."""
+    from loraserve.ray.app import RayOptions
+
+    return RayOptions(
+        num_replicas=args.num_replicas,
+        max_replicas=args.max_replicas,
+        target_ongoing_requests=args.target_ongoing_requests,
+        replica_num_cpus=args.replica_num_cpus,
+        replica_num_gpus=args.replica_num_gpus,
+        address=args.ray_address,
+    )
+
+
+def run_serve_ray(args: argparse.Namespace) -> int:
+    try:
+        from loraserve.ray.app import run_application
+    except ImportError as exc:
+        raise CLIError(f"serve-ray needs Ray Serve: pip install 'loraserve[ray]' ({exc})") from exc
+    settings, tokenizer = build_server_settings(args)
+    return run_application(settings, tokenizer, ray_options(args))
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Every check of the command's flags."""
+    validate_serve_args(args)
+    if args.command == "serve-ray":
+        validate_serve_ray_args(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -513,23 +615,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command != "serve":
+    if args.command not in ("serve", "serve-ray"):
         parser.print_help()
         return 2
+    prog = f"loraserve {args.command}"
     try:
-        validate_serve_args(args)
-        return run_serve(args)
+        validate_args(args)
+        return run_serve_ray(args) if args.command == "serve-ray" else run_serve(args)
     except CLIError as exc:
-        parser.exit(2, f"loraserve serve: error: {exc}\n")
+        parser.exit(2, f"{prog}: error: {exc}\n")
     except OSError as exc:  # a busy port, an unreadable file
-        parser.exit(1, f"loraserve serve: error: {exc}\n")
+        parser.exit(1, f"{prog}: error: {exc}\n")
     except Exception as exc:  # noqa: BLE001 - start-up failures read as one clear line
         from loraserve.engine.core_client import EngineStartError
 
         if isinstance(exc, EngineStartError):
-            parser.exit(1, f"loraserve serve: the engine failed to start: {exc}\n")
+            parser.exit(1, f"{prog}: the engine failed to start: {exc}\n")
         if isinstance(exc, ValueError):
-            parser.exit(1, f"loraserve serve: error: {exc}\n")
+            parser.exit(1, f"{prog}: error: {exc}\n")
         raise
 
 

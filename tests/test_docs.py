@@ -1,4 +1,4 @@
-"""docs/configuration.md documents every `loraserve serve` flag and every
+"""docs/configuration.md documents every `loraserve serve` (and `serve-ray`) flag and every
 environment variable loraserve reads, with the defaults the code has."""
 
 from __future__ import annotations
@@ -16,14 +16,20 @@ CONFIG_DOC = ROOT / "docs" / "configuration.md"
 _TEST_ONLY_ENV_PREFIX = "LORASERVE_TEST_"
 
 
-def _serve_parser() -> argparse.ArgumentParser:
+def _serve_parsers() -> list[argparse.ArgumentParser]:
     parser = build_parser()
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return subparsers.choices["serve"]
+    return [subparsers.choices["serve"], subparsers.choices["serve-ray"]]
 
 
 def _documented_actions() -> list[argparse.Action]:
-    return [a for a in _serve_parser()._actions if not isinstance(a, argparse._HelpAction)]
+    """`serve`'s flags, then those that only `serve-ray` has."""
+    actions: dict[str, argparse.Action] = {}
+    for parser in _serve_parsers():
+        for action in parser._actions:
+            if not isinstance(action, argparse._HelpAction):
+                actions.setdefault(action.dest, action)
+    return list(actions.values())
 
 
 def _name(action: argparse.Action) -> str:

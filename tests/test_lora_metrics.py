@@ -2,12 +2,14 @@
 once (from the start of its disk read to the adapter being in the CPU cache) and
 name the pinned adapters; a real server's /metrics shows each loaded adapter with
 its level and pin, the loaded-adapter counts, and the load-time histogram, and
-drops an adapter's series when it leaves a level or is unloaded."""
+drops an adapter's series when it leaves a level or is unloaded; and
+lora_requests_info reads as LoRA-affinity routers parse it."""
 
 from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -176,3 +178,67 @@ def test_metrics_follow_the_adapters_of_a_running_server(server, llama_adapters)
     cumulative = [histogram[str(bound)] for bound in LORA_LOAD_TIME_BUCKETS_S]
     assert cumulative == sorted(cumulative) and cumulative[-1] <= 3
 
+
+
+# ---- the contract LoRA-affinity routers read --------------------------------------
+
+
+def router_view(text: str) -> dict:
+    """lora_requests_info read the way LoRA-affinity routers read it (the Gateway
+    API inference extension's model-server protocol, vLLM production-stack): of the
+    series, the one with the largest value (its update time) is the current state;
+    max_lora is an integer; the adapter lists are comma-separated, empty for none."""
+    (family,) = [f for f in text_string_to_metric_families(text)
+                 if f.name == "loraserve:lora_requests_info"]
+    latest = max(family.samples, key=lambda s: s.value)
+
+    def names(label: str) -> set[str]:
+        value = latest.labels[label]
+        return set(value.split(",")) if value else set()
+
+    return {"labels": set(latest.labels), "updated": latest.value,
+            "max_lora": int(latest.labels["max_lora"]),
+            "running": names("running_lora_adapters"),
+            "waiting": names("waiting_lora_adapters")}
+
+
+@pytest.fixture(scope="module")
+def three_adapter_server(llama_dir, llama_adapters):
+    """Two device slots, three adapters, none pinned."""
+    modules = [f"{name}={llama_adapters[path]}"
+               for name, path in (("first", "r8"), ("second", "r1"), ("third", "r8_mlp"))]
+    with ServerProcess([llama_dir, "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "3",
+                        "--lora-modules", *modules]) as srv:
+        yield srv
+
+
+def test_lora_requests_info_reads_as_routers_parse_it(three_adapter_server):
+    server = three_adapter_server
+
+    def long_request(model: str) -> None:
+        body = {"model": model, "prompt": "Hello", "max_tokens": 500, "temperature": 0.0,
+                "ignore_eos": True}
+        response = server.post("/v1/completions", body)
+        assert response.status_code == 200, response.text
+
+    started = time.time()
+    views: list[dict] = []
+
+    def shows_all_three() -> bool:
+        views.append(router_view(server.get("/metrics").text))
+        return views[-1]["running"] == {"first", "second"} and views[-1]["waiting"] == {"third"}
+
+    # Two slots (--max-loras 2): two adapters run, the third one's request waits.
+    with ThreadPoolExecutor(3) as pool:
+        running = [pool.submit(long_request, name) for name in ("first", "second")]
+        assert wait_until(lambda: router_view(server.get("/metrics").text)["running"]
+                          == {"first", "second"}, 30, 0.05), views[-3:]
+        waiting = pool.submit(long_request, "third")
+        assert wait_until(shows_all_three, 30, 0.05), views[-3:]
+        for future in [*running, waiting]:
+            future.result(timeout=120)
+    view = views[-1]
+    assert view["labels"] == {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}
+    assert view["max_lora"] == 2
+    assert started - 1 <= view["updated"] <= time.time()
+    assert wait_until(lambda: not router_view(server.get("/metrics").text)["running"], 15, 0.1)

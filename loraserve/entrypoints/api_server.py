@@ -164,6 +164,8 @@ async def run_until_disconnect(request: Request, work: Awaitable[Any], drain: Dr
 def _to_response(result: Any) -> Response:
     if result is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
+    if isinstance(result, Response):  # a handler that sets its own headers
+        return result
     if isinstance(result, BaseModel):
         return JSONResponse(result.model_dump())
     return StreamingResponse(result, media_type="text/event-stream")
@@ -300,6 +302,48 @@ def bind_socket(host: str | None, port: int) -> socket.socket:
     return sock
 
 
+def build_server_state(
+    settings: ServerSettings,
+    engine: AsyncEngineClient,
+    models: ServingModels,
+    request_tokenizer: RequestTokenizer,
+    max_model_len: int,
+    metrics: ServerMetrics,
+) -> ServerState:
+    """The handlers of every endpoint over one engine: `loraserve serve` and each
+    engine replica of the Ray application (loraserve/ray) build them alike."""
+    # Token ids a request carries must be below the model's vocabulary, which the
+    # tokenizer's length need not equal.
+    vocab_size = settings.engine_config.model_config.hf_config.vocab_size
+    limits = ModelLimits(max_model_len, vocab_size)
+    generator = (RequestLoggingEngine(engine, settings.served_model_names[0])
+                 if settings.log_requests else engine)
+    chat = OpenAIServingChat(generator, models, request_tokenizer, limits,
+                             settings.sampling_defaults, settings.trust_request_chat_template)
+    return ServerState(
+        engine=engine,
+        models=models,
+        completion=OpenAIServingCompletion(generator, models, request_tokenizer, limits,
+                                           settings.sampling_defaults),
+        chat=chat,
+        tokenization=OpenAIServingTokenization(models, chat, request_tokenizer, limits),
+        metrics=metrics,
+        allow_runtime_lora=models.allow_runtime_updates,
+        **http_settings(settings),
+    )
+
+
+def http_settings(settings: ServerSettings) -> dict[str, Any]:
+    """The ServerState fields that come from the HTTP flags as they are."""
+    return {
+        "api_key": settings.api_key,
+        "max_request_body_bytes": settings.max_request_body_bytes,
+        "metrics_require_api_key": settings.metrics_require_api_key,
+        "cors": settings.cors,
+        "root_path": settings.root_path,
+    }
+
+
 async def serve(settings: ServerSettings, tokenizer: Any) -> int:
     """Run the server until a signal or the engine's death; returns the exit code."""
     sock = bind_socket(settings.host, settings.port)
@@ -328,30 +372,8 @@ async def serve(settings: ServerSettings, tokenizer: Any) -> int:
             allow_runtime_updates=allow_runtime,
         )
         await models.init_static_loras(settings.lora_modules)
-        # Token ids a request carries must be below the model's vocabulary, which the
-        # tokenizer's length need not equal.
-        vocab_size = settings.engine_config.model_config.hf_config.vocab_size
-        limits = ModelLimits(ready.max_model_len, vocab_size)
-        generator = (RequestLoggingEngine(engine, settings.served_model_names[0])
-                     if settings.log_requests else engine)
-        chat = OpenAIServingChat(generator, models, request_tokenizer, limits,
-                                 settings.sampling_defaults,
-                                 settings.trust_request_chat_template)
-        state = ServerState(
-            engine=engine,
-            models=models,
-            completion=OpenAIServingCompletion(generator, models, request_tokenizer, limits,
-                                               settings.sampling_defaults),
-            chat=chat,
-            tokenization=OpenAIServingTokenization(models, chat, request_tokenizer, limits),
-            metrics=metrics,
-            api_key=settings.api_key,
-            allow_runtime_lora=allow_runtime,
-            max_request_body_bytes=settings.max_request_body_bytes,
-            metrics_require_api_key=settings.metrics_require_api_key,
-            cors=settings.cors,
-            root_path=settings.root_path,
-        )
+        state = build_server_state(settings, engine, models, request_tokenizer,
+                                   ready.max_model_len, metrics)
         config = uvicorn.Config(
             build_app(state), log_level=settings.uvicorn_log_level, timeout_keep_alive=5,
             root_path=settings.root_path, ssl_keyfile=settings.ssl_keyfile,

@@ -74,6 +74,13 @@ class ServingModels:
     def is_base_model(self, name: str | None) -> bool:
         return not name or name in self.served_model_names
 
+    def adopt(self, loras: dict[str, LoRARequest]) -> None:
+        """Answer to adapters that were loaded elsewhere (the Ray application keeps
+        them in its registry); ids given from now on continue past theirs."""
+        self.loras = dict(loras)
+        last = max((lora.lora_int_id for lora in self.loras.values()), default=0)
+        self._ids = itertools.count(last + 1)
+
     async def init_static_loras(self, modules: list[LoRAModulePath]) -> None:
         """Load the `--lora-modules` adapters; any failure stops start-up."""
         for module in modules:
