@@ -71,3 +71,16 @@ def test_readme_offline_snippet_runs_from_the_repo_root_without_triton():
     assert not report["kernels_available"]
     if report["kernels_module"] is not None:
         assert Path(report["kernels_module"]).parent == ROOT / "kernels"
+
+
+def test_every_subpackage_is_in_the_install():
+    """A folder of loraserve with an __init__.py that pyproject.toml does not list
+    would be missing from a wheel, though an editable install finds it."""
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"])
+    found = {".".join(p.parent.relative_to(root).parts)
+             for p in (root / "loraserve").rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)
