@@ -306,6 +306,9 @@ def test_the_probes_answer_without_the_key(server):
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], '
                              b'"repetition_penalty": 1e999}'),
     ("/v1/completions", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"),
+    ("/v1/completions", b'{"prompt": "Hello", "response_format": [1]}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], '
+                             b'"response_format": "json"}'),
 ])
 def test_malformed_values_are_400(server, path, body):
     openai_error(post_raw(server, path, body), 400)

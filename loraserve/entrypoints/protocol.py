@@ -54,6 +54,8 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool | None = None
+    # Only {"type": "text"} is served (no structured output).
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -83,7 +85,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     # vLLM's extras for the chat template.
     add_generation_prompt: bool = True
     continue_final_message: bool = False

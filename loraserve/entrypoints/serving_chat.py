@@ -163,8 +163,6 @@ class OpenAIServingChat(OpenAIServing):
                 f"tool_choice {request.tool_choice!r} is not supported by this server: it "
                 "does not parse tool calls. Leave it unset or 'none'.", param="tool_choice",
             )
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            raise bad_request("Only response_format type 'text' is supported.", "response_format")
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true.", param="top_logprobs")
         lora = await self.models.resolve(request.model)

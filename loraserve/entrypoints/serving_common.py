@@ -138,6 +138,9 @@ def check_unsupported(request: SamplingFields) -> None:
     check_not_supported(request, VLLM_FIELDS_NOT_SUPPORTED)
     if request.logit_bias:
         raise bad_request("logit_bias is not supported by this server.", param="logit_bias")
+    if request.response_format and request.response_format.get("type", "text") != "text":
+        raise bad_request("Only response_format type 'text' is supported.",
+                          param="response_format")
     if request.n < 1:
         raise bad_request(f"n must be at least 1, got {request.n}.", param="n")
     if request.n > MAX_N:

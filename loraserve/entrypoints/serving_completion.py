@@ -89,10 +89,6 @@ class OpenAIServingCompletion(OpenAIServing):
             # As vLLM: a streamed answer has no place for them.
             raise bad_request("prompt_logprobs are not available when stream is true.",
                               param="prompt_logprobs")
-        response_format = getattr(request, "response_format", None)
-        if response_format and response_format.get("type", "text") != "text":
-            raise bad_request("Only response_format type 'text' is supported.",
-                              param="response_format")
         lora = await self.models.resolve(request.model)
         prompts = await self._prompts(request)
         params = [
