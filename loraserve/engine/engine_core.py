@@ -228,6 +228,7 @@ class EngineCore:
         if self._in_flight is not None and not self._can_overlap():
             self._finish(self._take_in_flight(), outputs)
         ready: set[str] = set()
+        slot_holders: set[str] = set()
         if self.loras is not None:
             busy = self.scheduler.running_loras()
             for name, error in self.loras.poll_loads():
@@ -237,7 +238,8 @@ class EngineCore:
                 name for name in self.scheduler.waiting_loras() | busy
                 if self.loras.is_ready(name)
             }
-        sched = self.scheduler.schedule(ready)
+            slot_holders = self.loras.pinned_slot_names()
+        sched = self.scheduler.schedule(ready, slot_holders)
         for lora_request in sched.loras_to_load:
             self.loras.start_background_load(lora_request)
         launched = self._launch_isolating(sched.scheduled, outputs) if sched.scheduled else None

@@ -6,7 +6,8 @@ blocks of its prompt's longest cached prefix (engine/kv_blocks.py) and computes
 the rest like any chunk of a chunked prefill.
 
 The max_loras rule: the adapters of all running requests count, scheduled this
-step or not. A waiting request whose adapter is new is skipped when that set is
+step or not, and so do the pinned adapters that hold a device slot (they never
+give it up). A waiting request whose adapter is new is skipped when that set is
 full; so is one whose adapter is still loading. A skipped request keeps its place
 at the front of the queue.
 """
@@ -59,13 +60,16 @@ class Scheduler:
     def waiting_loras(self) -> set[str]:
         return {r.lora_name for r in self.waiting if r.lora_name is not None}
 
-    def schedule(self, ready_loras: set[str] | frozenset = frozenset()) -> SchedulerOutput:
+    def schedule(self, ready_loras: set[str] | frozenset = frozenset(),
+                 slot_holders: set[str] | frozenset = frozenset()) -> SchedulerOutput:
+        """`slot_holders`: adapters that keep a device slot whether they run or not
+        (pinned ones)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self._schedule_running(out, budget)
         budget -= out.num_tokens
         if not out.preempted:
-            self._schedule_waiting(out, budget, ready_loras)
+            self._schedule_waiting(out, budget, ready_loras, slot_holders)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
@@ -90,9 +94,10 @@ class Scheduler:
             i += 1
 
     def _schedule_waiting(
-        self, out: SchedulerOutput, budget: int, ready_loras: set[str] | frozenset
+        self, out: SchedulerOutput, budget: int, ready_loras: set[str] | frozenset,
+        slot_holders: set[str] | frozenset,
     ) -> None:
-        loras = self.running_loras()
+        loras = self.running_loras() | set(slot_holders)
         skipped: list[Request] = []
         to_load: dict[str, LoRARequest] = {}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

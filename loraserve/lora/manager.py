@@ -335,6 +335,10 @@ class LoRAManager:
     def slot_names(self) -> list[str]:
         return self.slots.keys()
 
+    def pinned_slot_names(self) -> set[str]:
+        """Pinned adapters holding a device slot: nothing evicts them from it."""
+        return {name for name in self.slots.keys() if self.slots.is_pinned(name)}
+
     def pinned_names(self) -> list[str]:
         return [name for name in self.cpu_cache.keys() if self.cpu_cache.is_pinned(name)]
 
