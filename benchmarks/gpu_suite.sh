@@ -20,6 +20,8 @@
 #   layer     LoRA cost per linear layer class (lora_layer.py)
 #   moe       MoE grouped GEMM and MoE LoRA vs the torch path on Mixtral-8x7B layer shapes
 #             (moe_lora.py)
+#   tp        offline base and LoRA throughput at tensor-parallel sizes 1 and 2, with and
+#             without --fully-sharded-loras (tensor_parallel.py; needs 2 GPUs)
 #   attention decode attention alone, tilings and split counts side by side
 #             (attention.py --sweep; ATTN_ARGS, e.g. "--batches 1 4 --splits 8 16 32")
 #   profile   where a batch-32 decode step's time goes (profile_decode.py)
@@ -119,7 +121,7 @@ if has attention; then
   echo "attention rc=$?" >> "$OUT/attention.log"
 fi
 
-if has profile || has decode32 || has timeline || has offprof || has offline || has startup || has firstuse || has serve || has steps; then
+if has profile || has decode32 || has timeline || has offprof || has offline || has startup || has firstuse || has serve || has steps || has tp; then
   stamp setup
   # The offline runs repeat their prompts, so they turn the prefix cache off (it would
   # serve the repeats); serve.py gives every phase prompts of its own.
@@ -193,6 +195,18 @@ if has firstuse; then
       --load-format dummy --adapters $ADAPTERS --json "$OUT/first_use.json") \
       > "$OUT/first_use.log" 2>&1
   echo "firstuse rc=$?" >> "$OUT/first_use.log"
+fi
+
+if has tp; then
+  for sharding in "" --fully-sharded-loras; do
+    name=tp${sharding:+_fully_sharded}
+    stamp "$name"
+    (cd benchmarks && timeout "${BENCH_TIMEOUT:-600}" python3 tensor_parallel.py \
+        --model $MODEL --load-format dummy --adapters $ADAPTERS --sizes 1 2 \
+        --num-requests 256 --input-len 512 --output-len 128 $sharding \
+        --json "$OUT/$name.json") > "$OUT/$name.log" 2>&1
+    echo "$name rc=$?" >> "$OUT/$name.log"
+  done
 fi
 
 # serve and steps run once per CUDA graph mode in GRAPH_MODES, their files suffixed

@@ -78,9 +78,14 @@ def base_reference(server) -> list[int]:
 @pytest.fixture(scope="module")
 def api_schema(fuzz_server):
     # An explicit configuration, so no schemathesis.toml found on disk applies. Its
-    # one change: failure reports show fields like `min_tokens` instead of hiding
-    # them as secrets.
-    config = schemathesis.Config.from_dict({"output": {"sanitization": {"enabled": False}}})
+    # changes: failure reports show fields like `min_tokens` instead of hiding them
+    # as secrets; and a stream is read to its end (schemathesis stops after 20
+    # events by default, which would cut off the [DONE] the test checks for; the
+    # call's timeout still bounds a stream that never ends).
+    config = schemathesis.Config.from_dict({
+        "output": {"sanitization": {"enabled": False}},
+        "max-stream-events": 1_000_000,
+    })
     return schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json", config=config)
 
 
