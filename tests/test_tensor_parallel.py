@@ -130,9 +130,11 @@ def test_gpu_tp2_matches_tp1(llama_dir, tp_adapters, prompts):
                   max_loras=4, max_num_seqs=16, kv_cache_memory_bytes=1 << 28)
     want = _run(llama_dir, ids, loras, **engine)
     for fully_sharded in (False, True):
-        for eager in (False, True):
+        # Eager, decode graphs, and piecewise graphs for the other steps (every rank
+        # must pick the same path, or their collectives would not match).
+        for mode in ("NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
             got = _run(llama_dir, ids, loras, tensor_parallel_size=2,
-                       fully_sharded_loras=fully_sharded, enforce_eager=eager, **engine)
-            assert got == want, (fully_sharded, eager)
+                       fully_sharded_loras=fully_sharded, cudagraph_mode=mode, **engine)
+            assert got == want, (fully_sharded, mode)
     for (p, lora), tokens in zip(batch, want, strict=True):
         assert tokens == hf_greedy(llama_dir, lora.lora_path if lora else None, p, MAX_TOKENS)

@@ -267,10 +267,7 @@ class ModelRunner:
                 # The graph took the argmax already, into graphs.sampled.
                 batch = self.sampler.from_argmax(graphs.sampled[: len(rows)])
         else:
-            if self.pieces is not None and self.pieces.fits(len(inputs.input_ids)):
-                hidden = self.pieces.run(inputs)
-            else:
-                hidden = self._forward_eager(inputs)
+            hidden = self._forward(inputs)
             if inputs.prompt_rows:
                 row_slots = [inputs.token_lora_slots[r] for r in inputs.prompt_rows]
                 prompt_lps = prompt_logprobs(
@@ -321,7 +318,7 @@ class ModelRunner:
         if self._uses_graph(inputs):
             self.graphs.run(inputs)
         else:
-            self._forward_eager(inputs)
+            self._forward(inputs)
         return True
 
     def compute_logits(self, hidden: torch.Tensor, row_slots: list[int]) -> torch.Tensor:
@@ -340,21 +337,29 @@ class ModelRunner:
         return self.host_tensor(values, dtype).to(self.device, non_blocking=True)
 
     def fill_pending(self, input_ids: torch.Tensor, inputs: PreparedInputs) -> None:
-        """Put the tokens the previous step sampled, still on the device, in place."""
-        if inputs.pending_dst:
+        """Put the tokens the previous step sampled, still on the device, in place.
+        Only rank 0 holds them; the other ranks take its ids."""
+        if not inputs.pending_dst:
+            return
+        if self.tp.is_driver:
             input_ids[self.to_device(inputs.pending_dst)] = self._last_sampled[
                 self.to_device(inputs.pending_src)]
+        self.tp.broadcast(input_ids)
+
+    def _forward(self, inputs: PreparedInputs) -> torch.Tensor:
+        """The hidden states of a step that no decode graph takes: replayed in
+        pieces where a token bucket fits it, else eager. Every rank decides alike,
+        so their collectives match."""
+        if self.pieces is not None and self.pieces.fits(len(inputs.input_ids)):
+            return self.pieces.run(inputs)
+        return self._forward_eager(inputs)
 
     def _forward_eager(self, inputs: PreparedInputs) -> torch.Tensor:
         self.punica.update_mapping(inputs.token_lora_slots)
         meta = self.attention_metadata(inputs)
         attn = self.backend.attention(meta, self.attn_workspace)
         input_ids = self.to_device(inputs.input_ids)
-        if inputs.pending_dst:
-            # Only rank 0 holds the sampled tokens; the other ranks take its ids.
-            if self.tp.is_driver:
-                self.fill_pending(input_ids, inputs)
-            self.tp.broadcast(input_ids)
+        self.fill_pending(input_ids, inputs)
         return self.model(input_ids, self.to_device(inputs.positions), self.kv_caches, attn)
 
     def attention_metadata(self, inputs: PreparedInputs) -> AttentionMetadata:
