@@ -94,7 +94,7 @@ if has tests; then
       tests/test_kernels_gpu.py tests/test_dense_gemm_gpu.py tests/test_paged_attention_gpu.py \
       tests/test_sampler_gpu.py tests/test_argmax.py \
       tests/test_fused_norm_rope.py tests/test_moe_gpu.py tests/test_moe_kernels.py \
-      tests/test_piecewise_graphs.py} \
+      tests/test_piecewise_graphs.py tests/test_embedding_lora.py tests/test_tensor_parallel.py} \
       > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?" >> "$OUT/gpu_tests.log"
 fi
