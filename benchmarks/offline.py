@@ -96,8 +96,9 @@ def run(llm: LLM, prompts, params, loras, decode_rate: bool = False) -> dict:
     return result
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, adapters, workload and engine sizes of an offline run (shared
+    with tensor_parallel.py)."""
     p.add_argument("--model", required=True)
     p.add_argument("--load-format", default="auto")
     p.add_argument("--adapters", type=Path, help="folder of PEFT adapter folders")
@@ -110,6 +111,11 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--enforce-eager", action="store_true")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    add_workload_arguments(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--repeats", type=int, default=1,
                    help="alternate this many base and LoRA runs; report the medians")

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from offline import machine, make_prompts, mixed_adapters, run
+from offline import add_workload_arguments, machine, make_prompts, mixed_adapters, run
 
 from loraserve import LLM, SamplingParams
 
@@ -51,18 +51,7 @@ def one_size(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", required=True)
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--adapters", type=Path, help="folder of PEFT adapter folders")
-    p.add_argument("--num-adapters", type=int, default=32)
-    p.add_argument("--max-loras", type=int, default=None)
-    p.add_argument("--max-lora-rank", type=int, default=16)
-    p.add_argument("--num-requests", type=int, default=256)
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--enforce-eager", action="store_true")
+    add_workload_arguments(p)
     p.add_argument("--fully-sharded-loras", action="store_true")
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
     p.add_argument("--size", type=int, help=argparse.SUPPRESS)  # one size, in a child
