@@ -13,6 +13,7 @@ from torch import nn
 
 from loraserve.lora.peft_adapter import ModuleLoRA
 from loraserve.lora.punica import PunicaWrapper
+from loraserve.lora.slot_stacks import write_slot
 
 
 class LinearWithLoRA(nn.Module):
@@ -43,15 +44,16 @@ class LinearWithLoRA(nn.Module):
 
     def set_slot(self, slot: int, weights: ModuleLoRA | None) -> None:
         """Copy one adapter's weights into a slot; None (module not targeted) zeroes it."""
-        for i, (a_stack, b_stack) in enumerate(zip(self.lora_a, self.lora_b, strict=True)):
-            a_stack[slot].zero_()
-            b_stack[slot].zero_()
-            if weights is None or weights.lora_a[i] is None:
-                continue
-            a, b = weights.lora_a[i], weights.lora_b[i]
-            rank = a.shape[0]
-            a_stack[slot, :rank].copy_(a, non_blocking=True)
-            b_stack[slot, :, :rank].copy_(b, non_blocking=True)
+        pairs = [None if weights is None or weights.lora_a[i] is None
+                 else self.slot_share(i, weights.lora_a[i], weights.lora_b[i])
+                 for i in range(len(self.lora_a))]
+        write_slot(self.lora_a, self.lora_b, slot, pairs)
+
+    def slot_share(self, index: int, a: torch.Tensor,
+                   b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The part of slice `index`'s (A, B) that this layer holds: all of it here;
+        a shard under tensor parallelism (loraserve.lora.parallel_layers)."""
+        return a, b
 
     def launch_configs(self, num_tokens: int) -> tuple:
         """Hashable: batches with equal values run the same compiled LoRA kernels."""

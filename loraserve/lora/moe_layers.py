@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from loraserve.lora.punica import PunicaWrapper
+from loraserve.lora.slot_stacks import write_slot
 from loraserve.model.moe import Experts
 from loraserve.model.moe_ops import ExpertsLoRA
 
@@ -57,15 +58,12 @@ class ExpertsWithLoRA(nn.Module):
 
     def set_slot(self, slot: int, weights: ExpertsModuleLoRA | None) -> None:
         """Copy one adapter's expert weights into a slot; None zeroes it."""
-        for i, (a_stack, b_stack) in enumerate(zip(self.lora_a, self.lora_b, strict=True)):
-            a_stack[slot].zero_()
-            b_stack[slot].zero_()
-            if weights is None or weights.lora_a[i] is None:
-                continue
-            a, b = weights.lora_a[i], weights.lora_b[i]
-            rank = a.shape[1]
-            a_stack[slot, :, :rank].copy_(a, non_blocking=True)
-            b_stack[slot, :, :, :rank].copy_(b, non_blocking=True)
+        if weights is None:
+            pairs = [None] * len(self.lora_a)
+        else:
+            pairs = [None if a is None else (a, b)
+                     for a, b in zip(weights.lora_a, weights.lora_b, strict=True)]
+        write_slot(self.lora_a, self.lora_b, slot, pairs)
 
     def launch_configs(self, num_tokens: int) -> tuple:
         """Nothing here picks compiled kernels by batch (see LinearWithLoRA)."""

@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from loraserve.lora.layers import LinearWithLoRA
-from loraserve.lora.peft_adapter import ModuleLoRA
 from loraserve.lora.punica import PunicaWrapper
 from loraserve.model.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -90,22 +89,17 @@ class ColumnParallelLinearWithLoRA(_ParallelLinearWithLoRA):
             for i in range(ns)
         ]
 
-    def set_slot(self, slot: int, weights: ModuleLoRA | None) -> None:
-        for i, (a_stack, b_stack) in enumerate(zip(self.lora_a, self.lora_b, strict=True)):
-            a_stack[slot].zero_()
-            b_stack[slot].zero_()
-            if weights is None or weights.lora_a[i] is None:
-                continue
-            a, b = weights.lora_a[i], self.base_layer.shard_rows(weights.lora_b[i], i)
-            rank = a.shape[0]
-            if self.fully_sharded:
-                start, length = self.tp.shard(self.max_rank)
-                padded = torch.zeros(self.max_rank, a.shape[1], dtype=a.dtype)
-                padded[:rank] = a
-                a_stack[slot].copy_(padded[start:start + length])
-            else:
-                a_stack[slot, :rank].copy_(a, non_blocking=True)
-            b_stack[slot, :, :rank].copy_(b, non_blocking=True)
+    def slot_share(self, index: int, a: torch.Tensor,
+                   b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """B's rows of this rank's outputs; fully sharded, A's share of the (padded)
+        rank dimension too."""
+        b = self.base_layer.shard_rows(b, index)
+        if self.fully_sharded:
+            start, length = self.tp.shard(self.max_rank)
+            padded = torch.zeros(self.max_rank, a.shape[1], dtype=a.dtype)
+            padded[:a.shape[0]] = a
+            a = padded[start:start + length]
+        return a, b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fully_sharded:
@@ -143,19 +137,15 @@ class RowParallelLinearWithLoRA(_ParallelLinearWithLoRA):
         self._shrink_eye = _eye_stack(num_slots, max_rank, max_rank, 0, dtype, dev)
         self._expand_selectors = [_eye_stack(num_slots, max_rank, max_rank, 0, dtype, dev)]
 
-    def set_slot(self, slot: int, weights: ModuleLoRA | None) -> None:
-        a_stack, b_stack = self.lora_a[0], self.lora_b[0]
-        a_stack[slot].zero_()
-        b_stack[slot].zero_()
-        if weights is None or weights.lora_a[0] is None:
-            return
-        a, b = self.base_layer.shard_cols(weights.lora_a[0]), weights.lora_b[0]
+    def slot_share(self, index: int, a: torch.Tensor,
+                   b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A's columns of this rank's inputs; fully sharded, B's rows of this rank's
+        share of the output too."""
+        a = self.base_layer.shard_cols(a)
         if self.fully_sharded:
             start, length = self.out_shard
             b = b[start:start + length]
-        rank = a.shape[0]
-        a_stack[slot, :rank].copy_(a, non_blocking=True)
-        b_stack[slot, :, :rank].copy_(b, non_blocking=True)
+        return a, b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base_layer

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraserve.distributed.parallel_state import TensorParallel
+from loraserve.distributed.parallel_state import SINGLE, TensorParallel
 from loraserve.model.linear import Linear
 from loraserve.model.llama import MLP, LlamaFamilyForCausalLM
 from loraserve.model.moe_ops import ExpertsLoRA
@@ -143,8 +143,9 @@ class MoeForCausalLM(LlamaFamilyForCausalLM):
             return SparseMoeBlock(cfg, ops)
         return MLP(cfg, ops)
 
-    def __init__(self, cfg: Any, max_model_len: int, ops: TorchOps = TORCH_OPS) -> None:
-        super().__init__(cfg, max_model_len, ops)
+    def __init__(self, cfg: Any, max_model_len: int, ops: TorchOps = TORCH_OPS,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__(cfg, max_model_len, ops, tp)
         self.expert_projections = _EXPERT_PROJECTIONS[cfg.model_type]
         self._dense_intermediate = _dense_intermediate_size(cfg)
 

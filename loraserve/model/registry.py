@@ -62,8 +62,7 @@ def build_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = family(hf_config, max_model_len=max_model_len, ops=ops,
-                           **({"tp": tp} if tp.world_size > 1 else {}))
+            model = family(hf_config, max_model_len=max_model_len, ops=ops, tp=tp)
     finally:
         torch.set_default_dtype(previous)
     return model
