@@ -166,6 +166,8 @@ class LoRAManager:
         # Tensor parallelism, rank 0: every slot written, as (slot, (name, id, path)
         # or None), for the other ranks to write their shards of the same adapter.
         self.slot_log: list[tuple[int, tuple[str, int, str] | None]] | None = None
+        # Per device slot, the wrapper paths its adapter has weights for.
+        self._slot_modules: dict[int, frozenset[str]] = {}
 
     # ---- loading -------------------------------------------------------------------
 
@@ -323,6 +325,11 @@ class LoRAManager:
         with torch.no_grad():
             for path, wrapper in self.wrappers.items():
                 wrapper.set_slot(slot, lora.modules.get(path) if lora is not None else None)
+        self._slot_modules[slot] = frozenset(lora.modules) if lora is not None else frozenset()
+
+    def slots_use(self, path: str) -> bool:
+        """Whether an adapter in a device slot has weights for the wrapper at `path`."""
+        return any(path in modules for modules in self._slot_modules.values())
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of adapter weights in the CPU cache, per adapter. Device slots are

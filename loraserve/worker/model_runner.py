@@ -325,7 +325,11 @@ class ModelRunner:
         """Logits of these rows of the hidden states; ``row_slots`` are their adapters'
         slots, for the lm_head's LoRA."""
         if self.logits_punica is not None:
-            self.logits_punica.update_mapping(row_slots)
+            if self.loras.slots_use("lm_head"):
+                self.logits_punica.update_mapping(row_slots)
+            else:
+                # No adapter in a slot adapts the lm_head: skip its mapping and op.
+                self.logits_punica.any_lora = False
         return self.model.compute_logits(hidden)
 
     def host_tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
