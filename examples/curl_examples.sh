@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The OpenAI endpoints with curl. Start the server first:
-#   loraserve serve smollm2-135m-instruct --enable-lora --lora-modules pirate=examples/adapters/pirate
+#   LORASERVE_ALLOW_RUNTIME_LORA_UPDATING=true loraserve serve smollm2-135m-instruct \
+#       --enable-lora --lora-modules pirate=examples/adapters/pirate
 # Add -H "Authorization: Bearer $KEY" when the server runs with --api-key.
 set -euo pipefail
 URL=${URL:-http://127.0.0.1:8000}
@@ -19,7 +20,7 @@ echo "# a streamed completion from the base model (server-sent events)"
 curl -sN "$URL/v1/completions" -H 'Content-Type: application/json' -d '{
   "model": "smollm2-135m-instruct",
   "prompt": "The best thing about the sea is",
-  "max_tokens": 16, "stream": true, "stream_options": {"include_usage": true}
+  "max_tokens": 8, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}
 }'; echo
 
 echo "# health, version, metrics"

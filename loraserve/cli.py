@@ -12,6 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import loraserve
 from loraserve import envs
+from loraserve.cli_compat import (
+    CompatError,
+    add_vllm_compat_arguments,
+    check_vllm_compat_args,
+    expand_config_file,
+)
 from loraserve.config import CUDAGRAPH_MODES
 from loraserve.entrypoints.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
 from loraserve.entrypoints.serving_models import LoRAModulePath
@@ -23,6 +29,9 @@ if TYPE_CHECKING:
     from loraserve.ray.app import RayOptions
 
 ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# LoRA flags whose defaults apply only with --enable-lora: left unset by the parser,
+# so that giving one without --enable-lora is refused rather than ignored.
+_LORA_DEFAULTS = {"max_loras": 1, "max_lora_rank": 16, "lora_dtype": "auto"}
 
 
 class CLIError(ValueError):
@@ -205,6 +214,14 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="Log level of uvicorn.",
     )
+    server.add_argument(
+        "--disable-uvicorn-access-log", action="store_true",
+        help="Leave out uvicorn's log line for each HTTP request.",
+    )
+    server.add_argument(
+        "--response-role", default="assistant",
+        help="The role of chat answers to a generation prompt (add_generation_prompt).",
+    )
     log_requests = server.add_mutually_exclusive_group()
     log_requests.add_argument(
         "--enable-log-requests", action="store_true",
@@ -284,11 +301,12 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     engine.add_argument(
         "--max-num-seqs", type=_positive_int, default=None,
-        help="Most sequences per step (default 256; lower on a CPU).",
+        help="Most sequences per step (default: 256 on a GPU, 32 on the CPU).",
     )
     engine.add_argument(
         "--max-num-batched-tokens", type=_positive_int, default=None,
-        help="Token budget per step (default: chosen from the model and device).",
+        help="Token budget per step; a longer prefill is chunked over several steps "
+        "(default: 8192 on a GPU, 2048 on the CPU).",
     )
     engine.add_argument("--block-size", type=_positive_int, default=16, help="KV block size.")
     engine.add_argument(
@@ -352,20 +370,20 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "LORASERVE_ALLOW_RUNTIME_LORA_UPDATING=1.",
     )
     lora.add_argument(
-        "--max-loras", type=_positive_int, default=1,
-        help="Most distinct adapters in one step (device slots).",
+        "--max-loras", type=_positive_int, default=None,
+        help="Most distinct adapters in one step (device slots; default: 1).",
     )
     lora.add_argument(
-        "--max-lora-rank", type=int, default=16, choices=ALLOWED_LORA_RANKS,
-        help="Largest adapter rank served.",
+        "--max-lora-rank", type=int, default=None, choices=ALLOWED_LORA_RANKS,
+        help="Largest adapter rank served (default: 16).",
     )
     lora.add_argument(
         "--max-cpu-loras", type=_positive_int, default=None,
         help="Adapters kept in CPU memory (default: --max-loras).",
     )
     lora.add_argument(
-        "--lora-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
-        help="dtype of the adapter weights (auto: the model's).",
+        "--lora-dtype", default=None, choices=["auto", "float16", "bfloat16", "float32"],
+        help="dtype of the adapter weights (default: auto, the model's).",
     )
     lora.add_argument(
         "--lora-target-modules", nargs="+", default=None,
@@ -377,6 +395,7 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "and B of row-parallel ones, gathering the small rank dimension instead "
         "(default: A replicated for column-parallel layers, B for row-parallel ones).",
     )
+    add_vllm_compat_arguments(serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -439,15 +458,23 @@ def validate_serve_args(args: argparse.Namespace) -> None:
         raise CLIError(
             f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
         )
+    check_vllm_compat_args(args)
     modules = args.lora_modules or []
     if not args.enable_lora:
         given = [flag for flag, value in (("--lora-modules", modules),
+                                          ("--max-loras", args.max_loras),
+                                          ("--max-lora-rank", args.max_lora_rank),
                                           ("--max-cpu-loras", args.max_cpu_loras),
+                                          ("--lora-dtype", args.lora_dtype),
+                                          ("--lora-resolvers", args.lora_resolvers),
                                           ("--lora-target-modules", args.lora_target_modules),
                                           ("--fully-sharded-loras", args.fully_sharded_loras))
                  if value]
         if given:
             raise CLIError(f"{', '.join(given)} needs --enable-lora")
+    for name, default in _LORA_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     names = [m.name for m in modules]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -533,6 +560,8 @@ def build_server_settings(args: argparse.Namespace) -> tuple[ServerSettings, Any
         eos_token_id=eos_token_id(tokenizer, config.model_config.hf_config),
         sampling_defaults=sampling_defaults,
         uvicorn_log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        response_role=args.response_role,
         max_request_body_bytes=args.max_request_body_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
         metrics_require_api_key=args.metrics_require_api_key,
@@ -609,30 +638,47 @@ def validate_args(args: argparse.Namespace) -> None:
         validate_serve_ray_args(args)
 
 
+def _command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(action.choices for action in parser._actions
+                if isinstance(action, argparse._SubParsersAction))
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Errors about a subcommand's flags print that subcommand's usage.
+    command_parser = _command_parsers(parser).get(argv[0] if argv else "", parser)
+    try:
+        argv = expand_config_file(argv, command_parser)
+    except CompatError as exc:
+        command_parser.error(str(exc))
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command not in ("serve", "serve-ray"):
         parser.print_help()
         return 2
     prog = f"loraserve {args.command}"
     try:
         validate_args(args)
+        logging.getLogger("loraserve.cli").info(
+            "loraserve %s: %s %s (reading its config and tokenizer)", loraserve.__version__,
+            args.command, args.model)
         return run_serve_ray(args) if args.command == "serve-ray" else run_serve(args)
-    except CLIError as exc:
-        parser.exit(2, f"{prog}: error: {exc}\n")
+    except (CLIError, CompatError) as exc:
+        command_parser.exit(2, f"{prog}: error: {exc}\n")
     except OSError as exc:  # a busy port, an unreadable file
-        parser.exit(1, f"{prog}: error: {exc}\n")
+        command_parser.exit(1, f"{prog}: error: {exc}\n")
     except Exception as exc:  # noqa: BLE001 - start-up failures read as one clear line
         from loraserve.engine.core_client import EngineStartError
 
         if isinstance(exc, EngineStartError):
-            parser.exit(1, f"{prog}: the engine failed to start: {exc}\n")
+            command_parser.exit(1, f"{prog}: the engine failed to start: {exc}\n")
         if isinstance(exc, ValueError):
-            parser.exit(1, f"{prog}: error: {exc}\n")
+            command_parser.exit(1, f"{prog}: error: {exc}\n")
         raise
 
 

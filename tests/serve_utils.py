@@ -77,7 +77,7 @@ class ServerProcess:
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None,
                  api_key: str | None = None, new_session: bool = False,
-                 cwd: str | None = None) -> None:
+                 cwd: str | None = None, uvicorn_log_level: str = "warning") -> None:
         self.port = free_port()
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
@@ -87,7 +87,8 @@ class ServerProcess:
         full_env.update({"LORASERVE_NO_PROGRESS": "1", "TOKENIZERS_PARALLELISM": "false"})
         full_env.update(env or {})
         cmd = serve_command() + args + [
-            "--host", "127.0.0.1", "--port", str(self.port), "--uvicorn-log-level", "warning",
+            "--host", "127.0.0.1", "--port", str(self.port), "--uvicorn-log-level",
+            uvicorn_log_level,
         ]
         if api_key:
             cmd += ["--api-key", api_key]

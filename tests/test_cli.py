@@ -15,6 +15,7 @@ from serve_utils import descendants, free_port, serve_command
 from loraserve.cli import (
     build_parser,
     engine_kwargs_from_args,
+    main,
     parse_lora_module,
     validate_serve_args,
 )
@@ -63,6 +64,10 @@ def test_bad_lora_module_specs(text):
     (["m", "--lora-modules", "a=/x"], "--enable-lora"),
     (["m", "--max-cpu-loras", "4"], "--enable-lora"),
     (["m", "--lora-target-modules", "q_proj"], "--enable-lora"),
+    (["m", "--max-loras", "2"], "--max-loras needs --enable-lora"),
+    (["m", "--max-lora-rank", "8"], "--max-lora-rank needs --enable-lora"),
+    (["m", "--lora-dtype", "float32"], "--lora-dtype needs --enable-lora"),
+    (["m", "--lora-resolvers", "lora_filesystem_resolver"], "--lora-resolvers needs"),
     (["m", "--enable-lora", "--lora-modules", "a=/x", "a=/y"], "unique"),
     (["m", "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], "--max-cpu-loras"),
     (["m", "--gpu-memory-utilization", "1.5"], "gpu-memory-utilization"),
@@ -303,3 +308,74 @@ def test_trust_remote_code_loads_a_tokenizer_that_ships_code(llama_dir, tmp_path
     tokenizer = load_tokenizer(config)
     assert type(tokenizer).__name__ == "ShippedTokenizer" and tokenizer.shipped
     assert tokenizer("Hello world").input_ids
+
+
+def test_vllm_flags_for_what_loraserve_does_anyway_are_accepted():
+    args = parse("m", "--disable-log-stats", "--enable-chunked-prefill", "--swap-space", "4",
+                 "--max-log-len", "100", "--kv-cache-dtype", "auto", "-pp", "1", "-dp", "1",
+                 "--disable-uvicorn-access-log", "--response-role", "bot")
+    assert args.response_role == "bot" and args.disable_uvicorn_access_log
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--quantization", "awq"], "--quantization awq is not supported"),
+    (["-q", "fp8"], "--quantization fp8 is not supported"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 is not supported"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2 is not supported"),
+    (["--data-parallel-size", "2"], "--data-parallel-size 2 is not supported"),
+    (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill"),
+    (["--bogus-flag", "3"], "unrecognized arguments: --bogus-flag 3"),
+])
+def test_vllm_flags_loraserve_lacks_are_refused_by_name_with_serves_usage(argv, named, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "m", *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert named in err
+    assert "loraserve serve" in err and "COMMAND" not in err  # not the top level's usage
+
+
+def test_an_unknown_flag_prints_serves_usage(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "m", "--enable-lora", "--no-such-flag"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: loraserve serve ") and "--max-loras" in err
+    assert err.rstrip().endswith("unrecognized arguments: --no-such-flag")
+
+
+def _config_args(tmp_path, text: str, *argv: str) -> argparse.Namespace:
+    from loraserve.cli_compat import expand_config_file
+
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    parser = build_parser()
+    serve = next(a for a in parser._actions
+                 if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    args = parser.parse_args(expand_config_file(["serve", *argv, "--config", str(path)],
+                                                serve))
+    validate_serve_args(args)
+    return args
+
+
+def test_vllm_config_file_sets_flags_and_the_command_line_wins(tmp_path):
+    text = ("model: some/model\nenable-lora: true\nmax_loras: 3\nmax-lora-rank: 32\n"
+            "enforce-eager: false\nenable-prefix-caching: false\n"
+            "lora-modules:\n  - a=/adapters/a\n  - {name: b, path: /adapters/b}\n")
+    args = _config_args(tmp_path, text, "--max-loras", "4")
+    assert args.model == "some/model" and args.enable_lora
+    assert args.max_loras == 4 and args.max_lora_rank == 32  # the command line wins
+    assert args.enable_prefix_caching is False and not args.enforce_eager
+    assert [(m.name, m.path) for m in args.lora_modules] == [("a", "/adapters/a"),
+                                                              ("b", "/adapters/b")]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("no-such-flag: 1\n", "unknown flag 'no-such-flag'"),
+    ("- a\n- b\n", "mapping"),
+    ("port: [1\n", "not valid YAML"),
+])
+def test_bad_config_files_are_refused(tmp_path, text, message):
+    from loraserve.cli_compat import CompatError
+
+    with pytest.raises(CompatError, match=message):
+        _config_args(tmp_path, text, "m")

@@ -1,11 +1,13 @@
 """The server flags vLLM users pass out of habit, on a real `loraserve serve`:
-HTTPS, CORS, a proxy's root path, request logging, and prefix caching seen
+HTTPS, CORS, a proxy's root path, request logging, the response role, no access
+log, vLLM's flags for what loraserve does anyway, and prefix caching seen
 through /v1/engine_stats. One server start-up for all of them."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import shutil
 import ssl
 import subprocess
@@ -95,8 +97,11 @@ def server(llama_dir, tmp_path_factory):
                       "--ssl-keyfile", key, "--ssl-certfile", cert,
                       "--root-path", "/proxied", "--allowed-origins", f'["{ORIGIN}"]',
                       "--enable-log-requests", "--trust-remote-code",
-                      "--enable-prefix-caching"],
-                     api_key=API_KEY) as proc:
+                      "--enable-prefix-caching", "--response-role", "narrator",
+                      "--disable-uvicorn-access-log", "--disable-log-stats",
+                      "--enable-chunked-prefill", "--swap-space", "4", "--max-log-len", "10",
+                      "--kv-cache-dtype", "auto", "-pp", "1", "-dp", "1"],
+                     api_key=API_KEY, uvicorn_log_level="info") as proc:
         yield proc
 
 
@@ -159,3 +164,24 @@ def test_requests_are_logged_and_a_repeated_prompt_hits_the_prefix_cache(server,
     log = server.output()
     assert "prompt tokens, sampling:" in log and "temperature=0.0" in log
     assert "max_tokens=3" in log and prompt not in log
+
+
+def test_response_role_names_the_answer_and_no_request_is_access_logged(server, llama_dir):
+    chat = {"model": llama_dir, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2}
+    full = server.request("POST", "/v1/chat/completions", headers=_auth(), json=chat)
+    assert full.status_code == 200, full.text
+    assert full.json()["choices"][0]["message"]["role"] == "narrator"
+    streamed = server.request("POST", "/v1/chat/completions", headers=_auth(),
+                              json={**chat, "stream": True})
+    first = next(line for line in streamed.text.splitlines() if line.startswith("data: {"))
+    assert json.loads(first[len("data: "):])["choices"][0]["delta"]["role"] == "narrator"
+    # Without a generation prompt the answer continues the last message, in its role.
+    go_on = {**chat, "add_generation_prompt": False, "continue_final_message": True,
+             "messages": [*chat["messages"], {"role": "assistant", "content": "Hello"}]}
+    continued = server.request("POST", "/v1/chat/completions", headers=_auth(), json=go_on)
+    assert continued.status_code == 200, continued.text
+    assert continued.json()["choices"][0]["message"]["role"] == "assistant"
+    log = server.output()
+    assert "Application startup complete" in log  # uvicorn logs at info level here
+    assert "POST /v1/chat/completions" not in log

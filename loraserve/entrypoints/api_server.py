@@ -98,6 +98,10 @@ class ServerSettings:
     # Unset request fields take these (from the model's generation_config.json).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     uvicorn_log_level: str = "info"
+    # uvicorn's line per HTTP request (--disable-uvicorn-access-log turns it off).
+    access_log: bool = True
+    # The role of the chat answers to a generation prompt (--response-role).
+    response_role: str = "assistant"
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     trust_request_chat_template: bool = False
     metrics_require_api_key: bool = False
@@ -319,7 +323,8 @@ def build_server_state(
     generator = (RequestLoggingEngine(engine, settings.served_model_names[0])
                  if settings.log_requests else engine)
     chat = OpenAIServingChat(generator, models, request_tokenizer, limits,
-                             settings.sampling_defaults, settings.trust_request_chat_template)
+                             settings.sampling_defaults, settings.trust_request_chat_template,
+                             settings.response_role)
     return ServerState(
         engine=engine,
         models=models,
@@ -359,6 +364,9 @@ async def serve(settings: ServerSettings, tokenizer: Any) -> int:
     loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     try:
         timeout = float(envs.ENGINE_READY_TIMEOUT_S.get())
+        logger.info("starting the engine core: loading %s on %s",
+                    settings.model or settings.engine_config.model_config.model,
+                    settings.engine_config.device)
         ready = await engine.start(settings.engine_config, timeout)
         logger.info("engine core ready (pid %d, max_model_len %d)", ready.pid,
                     ready.max_model_len)
@@ -376,6 +384,7 @@ async def serve(settings: ServerSettings, tokenizer: Any) -> int:
                                    ready.max_model_len, metrics)
         config = uvicorn.Config(
             build_app(state), log_level=settings.uvicorn_log_level, timeout_keep_alive=5,
+            access_log=settings.access_log,
             root_path=settings.root_path, ssl_keyfile=settings.ssl_keyfile,
             ssl_certfile=settings.ssl_certfile, ssl_ca_certs=settings.ssl_ca_certs,
             ssl_cert_reqs=settings.ssl_cert_reqs,

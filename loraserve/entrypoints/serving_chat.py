@@ -81,9 +81,11 @@ class OpenAIServingChat(OpenAIServing):
         limits: ModelLimits,
         sampling_defaults: dict[str, Any] | None = None,
         trust_request_chat_template: bool = False,
+        response_role: str = "assistant",
     ) -> None:
         super().__init__(engine, models, tokenizer, limits, sampling_defaults)
         self.trust_request_chat_template = trust_request_chat_template
+        self.response_role = response_role
         signature = inspect.signature(tokenizer.hf.apply_chat_template)
         self._reserved_kwargs = frozenset(
             name for name, p in signature.parameters.items()
@@ -189,6 +191,13 @@ class OpenAIServingChat(OpenAIServing):
             )
         return await self._full(request, request_id, model_name, len(ids), stream, token_text)
 
+    def _role(self, request: ChatCompletionRequest) -> str:
+        """vLLM's rule: the server's response role (--response-role) answers a
+        generation prompt; without one the output continues the last message."""
+        if request.add_generation_prompt or not request.messages:
+            return self.response_role
+        return request.messages[-1].role
+
     async def _full(
         self,
         request: ChatCompletionRequest,
@@ -202,7 +211,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = [
             ChatCompletionChoice(
                 index=out.index,
-                message=ChatResponseMessage(content=out.text),
+                message=ChatResponseMessage(role=self._role(request), content=out.text),
                 logprobs=_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0,
                                    token_text) if request.logprobs else None,
                 finish_reason=out.finish_reason,
@@ -247,8 +256,8 @@ class OpenAIServingChat(OpenAIServing):
 
         # The first chunk of each choice carries the role, as OpenAI's does.
         for index in range(request.n):
-            yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant",
-                                                                          content=""))])
+            yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(
+                role=self._role(request), content=""))])
         finished: set[int] = set()
         completion_tokens = 0
         async with aclosing(stream):
