@@ -464,6 +464,21 @@ def validate_serve_args(args: argparse.Namespace) -> None:
     pinned = sum(m.pinned for m in modules)
     if pinned > args.max_loras:
         raise CLIError(f"{pinned} pinned adapters do not fit in --max-loras {args.max_loras}")
+    if pinned == args.max_loras:
+        # Pinned adapters never give up their slots: every other adapter would wait
+        # for a slot for ever. Only safe when no other adapter can ever be asked for.
+        others = [what for what, present in (
+            ("the unpinned --lora-modules", pinned < len(modules)),
+            ("adapters loaded at run time or found by resolvers "
+             f"({envs.ALLOW_RUNTIME_LORA_UPDATING.name})",
+             envs.ALLOW_RUNTIME_LORA_UPDATING.flag()),
+        ) if present]
+        if others:
+            raise CLIError(
+                f"{pinned} pinned adapters hold all --max-loras {args.max_loras} device slots "
+                f"for good, leaving none for {' or '.join(others)}: pin fewer adapters or "
+                "raise --max-loras"
+            )
     if args.generation_config not in ("auto", "vllm") and not os.path.isdir(
         args.generation_config
     ):
