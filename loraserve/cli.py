@@ -16,6 +16,7 @@ from loraserve.config import CUDAGRAPH_MODES
 from loraserve.entrypoints.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
 from loraserve.entrypoints.serving_models import LoRAModulePath
 from loraserve.entrypoints.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
+from loraserve.lora.request import lora_name_error
 from loraserve.model.builtin import BUILTIN_MODELS
 
 if TYPE_CHECKING:
@@ -449,6 +450,10 @@ def validate_serve_args(args: argparse.Namespace) -> None:
         if given:
             raise CLIError(f"{', '.join(given)} needs --enable-lora")
     names = [m.name for m in modules]
+    for name in names:
+        reason = lora_name_error(name)
+        if reason is not None:
+            raise CLIError(f"--lora-modules: {reason}")
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise CLIError(f"--lora-modules names must be unique; repeated: {duplicates}")

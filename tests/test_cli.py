@@ -68,6 +68,8 @@ def test_bad_lora_module_specs(text):
     (["m", "--gpu-memory-utilization", "1.5"], "gpu-memory-utilization"),
     (["m", "--port", "70000"], "--port"),
     (["m", "--enable-lora", "--lora-modules", "m=/x"], "clash"),
+    (["m", "--enable-lora", "--lora-modules", f"{'x' * 256}=/x"], "this one has 256 characters"),
+    (["m", "--enable-lora", "--lora-modules", "my adapter=/x"], "up to 255 characters"),
     (["m", "--enable-lora", "--lora-modules",
       '{"name": "a", "path": "/x", "pinned": true}', '{"name": "b", "path": "/y", "pinned": true}'],
      "pinned"),

@@ -296,3 +296,24 @@ def test_runtime_pin_holds_its_slot_and_leaves_one_to_the_others(server, llama_a
     assert f"LoRA adapter pinrt loaded from {path} at run time (pinned)" in log
     assert "LoRA adapter pinrt unloaded" in log
 
+
+def test_adapter_names_are_bounded(server, resolver_dir, llama_adapters):
+    for name in ("x" * 256, "x" * 10_000, "has space", "naïve", "semi;colon"):
+        response = server.post("/v1/load_lora_adapter",
+                               {"lora_name": name, "lora_path": llama_adapters["r1"]})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "lora_name" and "up to 255 characters" in error["message"]
+    names = {m["id"] for m in server.get("/v1/models").json()["data"]}
+    assert not [n for n in names if len(n) > 255 or " " in n]
+    # A name no adapter may have is an unknown model: no resolver is asked, even
+    # one that has a folder of that name.
+    shutil.copytree(llama_adapters["r1"], Path(resolver_dir) / "fs res")
+    assert complete(server, "fs res").status_code == 404
+    assert complete(server, "x" * 1_000_000).status_code == 404
+    # Names as Hub repos and versions have them are fine.
+    ok = server.post("/v1/load_lora_adapter",
+                     {"lora_name": "org/adapter-v1.2:main@2+b", "lora_path": llama_adapters["r1"]})
+    assert ok.status_code == 200, ok.text
+    assert server.post("/v1/unload_lora_adapter",
+                       {"lora_name": "org/adapter-v1.2:main@2+b"}).status_code == 200

@@ -28,7 +28,7 @@ from loraserve.entrypoints.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from loraserve.lora.errors import LoRANotFoundError
-from loraserve.lora.request import LoRARequest
+from loraserve.lora.request import LoRARequest, lora_name_error
 from loraserve.lora.resolver import LoRAResolver
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,9 @@ class ServingModels:
         lora = self.loras.get(model)
         if lora is not None:
             return lora
-        if self.allow_runtime_updates and self.resolvers:
+        # A name that no adapter may have is not asked about: it does not exist,
+        # like any other unknown name, and resolvers only ever see bounded names.
+        if self.allow_runtime_updates and self.resolvers and lora_name_error(model) is None:
             lora = await self._resolve_with_plugins(model)
             if lora is not None:
                 return lora
@@ -173,6 +175,9 @@ class ServingModels:
         name, path = body.lora_name.strip(), body.lora_path.strip()
         if not name or not path:
             raise invalid_user_input("Both 'lora_name' and 'lora_path' must be provided.")
+        reason = lora_name_error(name)
+        if reason is not None:
+            raise invalid_user_input(f"Invalid 'lora_name': {reason}.", param="lora_name")
         if self.is_base_model(name):
             raise invalid_user_input(
                 f"'{name}' is the name of the base model, not an adapter.", param="lora_name"
