@@ -94,6 +94,20 @@ def test_load_of_invalid_json_is_400(server, tmp_path):
     assert "not valid JSON" in error["message"]
 
 
+@pytest.mark.parametrize("config", ['[{"r": 8, "lora_alpha": 16}]', '"LORA"', "8"])
+def test_load_of_a_config_that_is_no_json_object_is_400(server, tmp_path, llama_adapters,
+                                                        config):
+    adapter = tmp_path / "notobject"
+    shutil.copytree(llama_adapters["r8"], adapter)
+    (adapter / "adapter_config.json").write_text(config)
+    response = server.post("/v1/load_lora_adapter",
+                           {"lora_name": "notobject", "lora_path": str(adapter)})
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert error["type"] == "BadRequestError"
+    assert "adapter_config.json must hold a JSON object" in error["message"]
+
+
 @pytest.mark.parametrize(("case", "config_change", "expected"), [
     ("rank", {"r": 1024}, "is greater than max_lora_rank"),
     ("dora", {"use_dora": True}, "does not yet support DoRA"),

@@ -149,6 +149,9 @@ def read_peft_config(lora_name: str, adapter_dir: str) -> PeftConfig:
         raw = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise LoRAError(lora_name, f"{CONFIG_FILE} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise LoRAError(lora_name, f"{CONFIG_FILE} must hold a JSON object (PEFT's config), "
+                        f"not {_json_kind(raw)}")
     peft_type = raw.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
         raise LoRAError(lora_name, f"peft_type {peft_type!r} is not a LoRA adapter")
@@ -190,6 +193,16 @@ def read_peft_config(lora_name: str, adapter_dir: str) -> PeftConfig:
         alpha_pattern=dict(raw.get("alpha_pattern") or {}),
         ensure_weight_tying=bool(raw.get("ensure_weight_tying", False)),
     )
+
+
+def _json_kind(value: object) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    return "a number"
 
 
 def _is_number(value: object) -> bool:
