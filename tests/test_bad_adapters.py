@@ -87,6 +87,8 @@ def _bad_layer(path: Path) -> None:
          "adapter_config.json must hold a JSON object (PEFT's config), not an array"),
         ("null_config", lambda p: (p / "adapter_config.json").write_text("null"),
          "must hold a JSON object (PEFT's config), not null"),
+        ("huge_alpha", lambda p: _edit_config(p, lora_alpha=1e38),
+         "scaled by lora_alpha / r, overflow torch.float32 (the lora dtype) in use"),
         ("no_alpha", lambda p: _edit_config(p, lora_alpha=None), "has no 'lora_alpha'"),
         ("text_alpha", lambda p: _edit_config(p, lora_alpha="16"), "'lora_alpha' must be"),
         ("zero_r", lambda p: _edit_config(p, r=0), "'r' must be a positive integer"),

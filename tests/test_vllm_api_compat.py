@@ -114,6 +114,7 @@ def test_load_of_a_config_that_is_no_json_object_is_400(server, tmp_path, llama_
     ("modules_to_save", {"modules_to_save": ["lm_head"]},
      "only supports modules_to_save being None"),
     ("bias", {"bias": "all"}, "Adapter bias cannot be used"),
+    ("alpha", {"lora_alpha": 1e38}, "check lora_alpha in adapter_config.json"),
 ])
 def test_load_of_an_adapter_loraserve_cannot_serve_is_400(
     server, tmp_path, llama_adapters, case, config_change, expected
