@@ -22,6 +22,7 @@ from loraserve.config import CUDAGRAPH_MODES
 from loraserve.entrypoints.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
 from loraserve.entrypoints.serving_models import LoRAModulePath
 from loraserve.entrypoints.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
+from loraserve.lora.request import lora_name_error
 from loraserve.model.builtin import BUILTIN_MODELS
 
 if TYPE_CHECKING:
@@ -476,6 +477,10 @@ def validate_serve_args(args: argparse.Namespace) -> None:
         if getattr(args, name) is None:
             setattr(args, name, default)
     names = [m.name for m in modules]
+    for name in names:
+        reason = lora_name_error(name)
+        if reason is not None:
+            raise CLIError(f"--lora-modules: {reason}")
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise CLIError(f"--lora-modules names must be unique; repeated: {duplicates}")
@@ -491,6 +496,21 @@ def validate_serve_args(args: argparse.Namespace) -> None:
     pinned = sum(m.pinned for m in modules)
     if pinned > args.max_loras:
         raise CLIError(f"{pinned} pinned adapters do not fit in --max-loras {args.max_loras}")
+    if pinned == args.max_loras:
+        # Pinned adapters never give up their slots: every other adapter would wait
+        # for a slot for ever. Only safe when no other adapter can ever be asked for.
+        others = [what for what, present in (
+            ("the unpinned --lora-modules", pinned < len(modules)),
+            ("adapters loaded at run time or found by resolvers "
+             f"({envs.ALLOW_RUNTIME_LORA_UPDATING.name})",
+             envs.ALLOW_RUNTIME_LORA_UPDATING.flag()),
+        ) if present]
+        if others:
+            raise CLIError(
+                f"{pinned} pinned adapters hold all --max-loras {args.max_loras} device slots "
+                f"for good, leaving none for {' or '.join(others)}: pin fewer adapters or "
+                "raise --max-loras"
+            )
     if args.generation_config not in ("auto", "vllm") and not os.path.isdir(
         args.generation_config
     ):

@@ -141,6 +141,7 @@ class ServerMetrics:
         self._loaded: set[tuple[str, str, str]] = set()
         self._preemptions_seen = 0
         self.lora_info: Gauge | None = None
+        self._info_labels: tuple[str, str, str] | None = None
         if max_loras is None:
             return
         # The value is the time of the update, so a LoRA-aware router takes the
@@ -194,11 +195,14 @@ class ServerMetrics:
             self._record_lora(stats)
 
     def _record_lora(self, stats: SchedulerStats) -> None:
-        self.lora_info.labels(
-            max_lora=str(self.max_loras),
-            waiting_lora_adapters=",".join(stats.waiting_lora_adapters),
-            running_lora_adapters=",".join(stats.running_lora_adapters),
-        ).set(time.time())
+        labels = (str(self.max_loras), ",".join(stats.waiting_lora_adapters),
+                  ",".join(stats.running_lora_adapters))
+        # Only the current series: one kept for every adapter combination ever seen
+        # would grow /metrics without bound as adapters come and go.
+        if self._info_labels is not None and self._info_labels != labels:
+            self.lora_info.remove(*self._info_labels)
+        self.lora_info.labels(*labels).set(time.time())
+        self._info_labels = labels
         on_gpu, pinned = set(stats.gpu_lora_adapters), set(stats.pinned_lora_adapters)
         loaded = {
             (name, "gpu" if name in on_gpu else "cpu", "true" if name in pinned else "false")

@@ -73,6 +73,8 @@ def test_bad_lora_module_specs(text):
     (["m", "--gpu-memory-utilization", "1.5"], "gpu-memory-utilization"),
     (["m", "--port", "70000"], "--port"),
     (["m", "--enable-lora", "--lora-modules", "m=/x"], "clash"),
+    (["m", "--enable-lora", "--lora-modules", f"{'x' * 256}=/x"], "this one has 256 characters"),
+    (["m", "--enable-lora", "--lora-modules", "my adapter=/x"], "up to 255 characters"),
     (["m", "--enable-lora", "--lora-modules",
       '{"name": "a", "path": "/x", "pinned": true}', '{"name": "b", "path": "/y", "pinned": true}'],
      "pinned"),
@@ -81,6 +83,20 @@ def test_invalid_combinations_are_refused(argv, message):
     args = build_parser().parse_args(["serve", *argv])
     with pytest.raises(ValueError, match=message):
         validate_serve_args(args)
+
+
+def test_pinned_adapters_may_fill_the_slots_only_when_nothing_else_is_served(monkeypatch):
+    monkeypatch.delenv("LORASERVE_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    pins = [json.dumps({"name": n, "path": f"/{n}", "pinned": True}) for n in ("a", "b")]
+    full = ["m", "--enable-lora", "--max-loras", "2", "--lora-modules", *pins]
+    assert [m.pinned for m in parse(*full).lora_modules] == [True, True]
+    with pytest.raises(ValueError, match="leaving none for the unpinned --lora-modules"):
+        parse(*full, "c=/c")
+    monkeypatch.setenv("LORASERVE_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    with pytest.raises(ValueError, match="hold all --max-loras 2 device slots for good, "
+                       "leaving none for adapters loaded at run time"):
+        parse(*full)
+    assert parse(*full[:3], "3", *full[4:]).max_loras == 3  # a slot to spare
 
 
 def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:

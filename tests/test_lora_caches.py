@@ -58,6 +58,25 @@ def test_pinned_adapter_is_never_evicted(engine_llm, llama_adapters, prompts):
     assert reqs[0].lora_name in manager.slot_names()
 
 
+def test_adapter_that_can_never_get_a_slot_fails_at_once(engine_llm, llama_adapters, prompts):
+    """Pinned adapters in every slot: a request for another adapter fails with the
+    reason (it used to wait for ever), and the pinned ones and the base keep serving."""
+    engine = engine_llm.engine
+    reqs = [LoRARequest(n, i + 1, p) for i, (n, p) in enumerate(llama_adapters.items())]
+    engine.add_lora(reqs[0], pinned=True)
+    engine.add_lora(reqs[1], pinned=True)
+    assert set(engine.loras.slot_names()) == {reqs[0].lora_name, reqs[1].lora_name}
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    outputs = engine_llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params,
+                                  [reqs[2], reqs[0], None, reqs[1]])
+    failed = outputs[0].outputs[0]
+    assert failed.finish_reason == "error"
+    assert f"LoRA adapter {reqs[2].lora_name!r} cannot run" in failed.error
+    assert "held by pinned adapters" in failed.error
+    assert [len(o.outputs[0].token_ids) for o in outputs[1:]] == [2, 2, 2]
+    assert not engine.scheduler.has_requests()
+
+
 def test_unload_frees_cpu_tensors_and_zeroes_the_slot(engine_llm, llama_adapters, prompts):
     manager = engine_llm.engine.loras
     lora = LoRARequest("r8", 1, llama_adapters["r8"])

@@ -242,3 +242,7 @@ def test_lora_requests_info_reads_as_routers_parse_it(three_adapter_server):
     assert view["max_lora"] == 2
     assert started - 1 <= view["updated"] <= time.time()
     assert wait_until(lambda: not router_view(server.get("/metrics").text)["running"], 15, 0.1)
+    # Of all the label sets seen above, only the current one is still exported.
+    (family,) = [f for f in text_string_to_metric_families(server.get("/metrics").text)
+                 if f.name == "loraserve:lora_requests_info"]
+    assert len(family.samples) == 1, family.samples

@@ -64,6 +64,20 @@ def test_scheduler_stats_feed_the_gauges():
     assert loaded == {("a", "gpu"), ("b", "gpu"), ("c", "cpu")}
 
 
+def test_lora_requests_info_keeps_only_the_current_series():
+    """Adapters coming and going must not leave a series per combination behind."""
+    metrics = ServerMetrics("m", max_loras=2)
+    for i in range(200):
+        metrics.record_stats(SchedulerStats(running_lora_adapters=[f"a{i}"],
+                                            waiting_lora_adapters=[f"b{i}", f"c{i}"]))
+    metrics.record_stats(SchedulerStats(running_lora_adapters=["last"]))
+    metrics.record_stats(SchedulerStats(running_lora_adapters=["last"]))
+    (info,) = families(metrics)["loraserve:lora_requests_info"].samples
+    assert info.labels == {"max_lora": "2", "running_lora_adapters": "last",
+                           "waiting_lora_adapters": ""}
+    assert b"a0" not in metrics.render() and b"a199" not in metrics.render()
+
+
 def test_residency_follows_evictions_and_preemptions_count_once():
     metrics = ServerMetrics("m", max_loras=1)
     metrics.record_stats(SchedulerStats(gpu_lora_adapters=["a"], cpu_lora_adapters=["a"],

@@ -260,6 +260,60 @@ def test_bad_adapters_are_refused_with_the_reason(server, workdir, llama_dir):
 
 def test_filesystem_resolver_finds_unknown_names(server, reference):
     assert token_ids(complete(server, "fsres")) == reference["r1"]
+    assert "LoRA adapter fsres found by resolver FilesystemResolver" in server.output()
     assert "fsres" in {m["id"] for m in server.get("/v1/models").json()["data"]}
     assert complete(server, "not-in-cache").status_code == 404
     assert complete(server, "../fsres").status_code == 404
+
+
+def test_runtime_pin_holds_its_slot_and_leaves_one_to_the_others(server, llama_adapters,
+                                                                 reference):
+    path = llama_adapters["r8"]
+    pin = server.post("/v1/load_lora_adapter",
+                      {"lora_name": "pinrt", "lora_path": path, "pinned": True})
+    assert pin.status_code == 200, pin.text
+    try:
+        assert engine_stats(server)["scheduler"]["pinned_lora_adapters"] == ["pinrt"]
+        # A second pin would hold the last of the two slots (--max-loras 2) for good.
+        second = server.post("/v1/load_lora_adapter", {
+            "lora_name": "pinrt2", "lora_path": llama_adapters["r1"], "pinned": True})
+        assert second.status_code == 400, second.text
+        error = second.json()["error"]
+        assert error["param"] == "pinned"
+        assert "would leave all 2 device slots" in error["message"]
+        assert "pinrt2" not in {m["id"] for m in server.get("/v1/models").json()["data"]}
+        # Two other adapters take turns in the slot left; the pinned one keeps its own.
+        assert token_ids(complete(server, "a1")) == reference["r8"]
+        assert token_ids(complete(server, "a3")) == reference["r1"]
+        stats = engine_stats(server)["scheduler"]
+        assert set(stats["gpu_lora_adapters"]) == {"pinrt", "a3"}
+        assert token_ids(complete(server, "pinrt")) == reference["r8"]
+    finally:
+        unload = server.post("/v1/unload_lora_adapter", {"lora_name": "pinrt"})
+    assert unload.status_code == 200, unload.text
+    assert engine_stats(server)["scheduler"]["pinned_lora_adapters"] == []
+    log = server.output()
+    assert f"LoRA adapter pinrt loaded from {path} at run time (pinned)" in log
+    assert "LoRA adapter pinrt unloaded" in log
+
+
+def test_adapter_names_are_bounded(server, resolver_dir, llama_adapters):
+    for name in ("x" * 256, "x" * 10_000, "has space", "naïve", "semi;colon"):
+        response = server.post("/v1/load_lora_adapter",
+                               {"lora_name": name, "lora_path": llama_adapters["r1"]})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "lora_name" and "up to 255 characters" in error["message"]
+    names = {m["id"] for m in server.get("/v1/models").json()["data"]}
+    assert not [n for n in names if len(n) > 255 or " " in n]
+    # A name no adapter may have is an unknown model: no resolver is asked, even
+    # one that has a folder of that name.
+    shutil.copytree(llama_adapters["r1"], Path(resolver_dir) / "fs res")
+    assert complete(server, "fs res").status_code == 404
+    assert complete(server, "x" * 1_000_000).status_code == 404
+    # Names as Hub repos and versions have them are fine.
+    ok = server.post("/v1/load_lora_adapter",
+                     {"lora_name": "org/adapter-v1.2:main@2+b", "lora_path": llama_adapters["r1"]})
+    assert ok.status_code == 200, ok.text
+    assert server.post("/v1/unload_lora_adapter",
+                       {"lora_name": "org/adapter-v1.2:main@2+b"}).status_code == 200

@@ -1,7 +1,8 @@
 """The OpenAI and LoRA endpoints answer as vLLM's do, so that a vLLM user can switch
 by changing the command name: adapter load/unload errors (status, error type,
-wording), the model cards, logprobs=0, continuous usage stats, and a 400 naming
-every vLLM request field that loraserve does not implement."""
+wording), the model cards, logprobs=0, non-finite logprobs as vLLM's -9999.0,
+continuous usage stats, and a 400 naming every vLLM request field that loraserve
+does not implement."""
 
 from __future__ import annotations
 
@@ -94,12 +95,27 @@ def test_load_of_invalid_json_is_400(server, tmp_path):
     assert "not valid JSON" in error["message"]
 
 
+@pytest.mark.parametrize("config", ['[{"r": 8, "lora_alpha": 16}]', '"LORA"', "8"])
+def test_load_of_a_config_that_is_no_json_object_is_400(server, tmp_path, llama_adapters,
+                                                        config):
+    adapter = tmp_path / "notobject"
+    shutil.copytree(llama_adapters["r8"], adapter)
+    (adapter / "adapter_config.json").write_text(config)
+    response = server.post("/v1/load_lora_adapter",
+                           {"lora_name": "notobject", "lora_path": str(adapter)})
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert error["type"] == "BadRequestError"
+    assert "adapter_config.json must hold a JSON object" in error["message"]
+
+
 @pytest.mark.parametrize(("case", "config_change", "expected"), [
     ("rank", {"r": 1024}, "is greater than max_lora_rank"),
     ("dora", {"use_dora": True}, "does not yet support DoRA"),
     ("modules_to_save", {"modules_to_save": ["lm_head"]},
      "only supports modules_to_save being None"),
     ("bias", {"bias": "all"}, "Adapter bias cannot be used"),
+    ("alpha", {"lora_alpha": 1e38}, "check lora_alpha in adapter_config.json"),
 ])
 def test_load_of_an_adapter_loraserve_cannot_serve_is_400(
     server, tmp_path, llama_adapters, case, config_change, expected
@@ -233,6 +249,71 @@ def test_some_logprobs_give_the_chosen_token_and_the_top_k(client, prompt_ids):
     assert all(5 <= len(top) <= 6 for top in logprobs.top_logprobs)
     for top, token in zip(logprobs.top_logprobs, logprobs.tokens, strict=True):
         assert token in top
+
+
+@pytest.fixture(scope="module")
+def nan_server(llama_dir, tmp_path_factory):
+    """The tiny Llama with NaN in one lm_head row: every logit, so every logprob,
+    is NaN, as with a broken model or adapter."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("nan_model") / "llama"
+    shutil.copytree(llama_dir, out)
+    weights = load_file(out / "model.safetensors")
+    weights["lm_head.weight"][7] = torch.nan
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    with ServerProcess([str(out), "--served-model-name", "base"]) as srv:
+        yield srv
+
+
+def _strict_json(text: str):
+    def refuse(constant: str):
+        raise AssertionError(f"{constant} is not JSON: {text[:300]}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _logprob_values(value) -> list[float]:
+    """Every logprob in a response or chunk: chat's and prompt_logprobs' "logprob"
+    fields, completions' token_logprobs and their top_logprobs maps."""
+    found = []
+    if isinstance(value, list):
+        for item in value:
+            found += _logprob_values(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if key == "logprob":
+                found.append(item)
+            elif key == "token_logprobs":
+                found += [lp for lp in item if lp is not None]
+            elif key == "top_logprobs" and item and "token" not in (item[0] or {}):
+                found += [lp for entry in item if entry for lp in entry.values()]
+            else:
+                found += _logprob_values(item)
+    return found
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 2, "echo": True, "prompt_logprobs": 1}),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 2, "stream": True}),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 2}),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 2,
+                              "stream": True}),
+], ids=["completion", "completion-stream", "chat", "chat-stream"])
+def test_non_finite_logprobs_go_out_as_vllms_floor(nan_server, path, body):
+    """NaN (or -inf) logprobs are not JSON: they are answered as -9999.0, vLLM's
+    floor, where they used to give a 500 (or invalid NaN in an SSE event)."""
+    response = nan_server.post(path, {"model": "base", "max_tokens": 3, **body})
+    assert response.status_code == 200, response.text
+    if body.get("stream"):
+        events = [line.removeprefix("data: ") for line in response.text.splitlines()
+                  if line.startswith("data: {")]
+        parsed = [_strict_json(event) for event in events]
+    else:
+        parsed = [_strict_json(response.text)]
+    values = _logprob_values(parsed)
+    assert values and set(values) == {-9999.0}, values
 
 
 def test_continuous_usage_stats_in_every_completion_chunk(client, prompt_ids):

@@ -239,6 +239,7 @@ class EngineCore:
                 if self.loras.is_ready(name)
             }
             slot_holders = self.loras.pinned_slot_names()
+            outputs += self._fail_slotless(slot_holders)
         sched = self.scheduler.schedule(ready, slot_holders)
         for lora_request in sched.loras_to_load:
             self.loras.start_background_load(lora_request)
@@ -388,6 +389,23 @@ class EngineCore:
         if req.at_length_limit(num_out, self.config.scheduler_config.max_model_len):
             return FinishReason.LENGTH, None
         return None, None
+
+    def _fail_slotless(self, pinned: set[str]) -> list[EngineCoreOutput]:
+        """Pinned adapters keep their device slots for good: once they hold every
+        slot, a waiting request for any other adapter could never be scheduled, so
+        it fails now rather than wait without end."""
+        max_loras = self.config.lora_config.max_loras
+        if len(pinned) < max_loras:
+            return []
+        stuck = [r for r in self.scheduler.waiting
+                 if r.lora_name is not None and r.lora_name not in pinned]
+        outputs = []
+        for name in sorted({r.lora_name for r in stuck}):
+            error = (f"LoRA adapter {name!r} cannot run: all {max_loras} device slots "
+                     f"(max_loras) are held by pinned adapters ({', '.join(sorted(pinned))})")
+            logger.warning("%s; failing its requests", error)
+            outputs += self._fail([r for r in stuck if r.lora_name == name], error)
+        return outputs
 
     def _fail_requests_of(
         self, lora_name: str, error: str, queue: bool = True

@@ -9,7 +9,8 @@ The max_loras rule: the adapters of all running requests count, scheduled this
 step or not, and so do the pinned adapters that hold a device slot (they never
 give it up). A waiting request whose adapter is new is skipped when that set is
 full; so is one whose adapter is still loading. A skipped request keeps its place
-at the front of the queue.
+at the front of the queue. (When pinned adapters hold every slot, a request for
+another adapter could never go: the engine fails it before it gets here.)
 """
 
 from __future__ import annotations

@@ -378,6 +378,7 @@ async def serve(settings: ServerSettings, tokenizer: Any) -> int:
             ready.max_model_len,
             resolvers=load_resolvers(settings.lora_resolvers) if allow_runtime else [],
             allow_runtime_updates=allow_runtime,
+            max_loras=lora_config.max_loras if lora_config else None,
         )
         await models.init_static_loras(settings.lora_modules)
         state = build_server_state(settings, engine, models, request_tokenizer,

@@ -218,6 +218,8 @@ class LoadLoRAAdapterRequest(BaseModel):
     lora_name: str
     lora_path: str
     load_inplace: bool = False
+    # Never evicted from the CPU cache or its device slot, as a pinned --lora-modules.
+    pinned: bool = False
 
 
 class UnloadLoRAAdapterRequest(BaseModel):

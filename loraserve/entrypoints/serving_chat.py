@@ -30,6 +30,7 @@ from loraserve.entrypoints.protocol import (
 )
 from loraserve.entrypoints.serving_common import (
     CHAT_FIELDS_NOT_SUPPORTED,
+    LOGPROB_FLOOR,
     ModelLimits,
     OpenAIServing,
     TokenText,
@@ -38,6 +39,7 @@ from loraserve.entrypoints.serving_common import (
     check_unsupported,
     final_outputs,
     finish_error,
+    json_logprob,
     resolve_max_tokens,
     sse,
     sse_events,
@@ -303,10 +305,11 @@ def _logprobs(
         text = token_text(token_id)
         content.append(ChatTokenLogprob(
             token=text,
-            logprob=entry.get(token_id, -9999.0),
+            logprob=json_logprob(entry.get(token_id, LOGPROB_FLOOR)),
             bytes=list(text.encode("utf-8")),
             top_logprobs=[
-                TopLogprob(token=token_text(t), logprob=lp, bytes=list(token_text(t).encode()))
+                TopLogprob(token=token_text(t), logprob=json_logprob(lp),
+                           bytes=list(token_text(t).encode()))
                 for t, lp in top_entries(entry, k)
             ],
         ))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -282,6 +283,21 @@ class TokenText:
         if self.as_ids:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+# What a logprob that JSON cannot carry goes out as, vLLM's floor: -inf (a token
+# with no chance) and NaN (non-finite logits, from a broken model or adapter) read
+# as "no chance" to a client, where json.dumps would write an invalid NaN or
+# Infinity and the non-streamed response would fail with a 500.
+LOGPROB_FLOOR = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    """A logprob as JSON may carry it: in [LOGPROB_FLOOR, 0], NaN as the floor
+    (a logprob is never above 0, so the upper bound only catches +inf)."""
+    if math.isnan(logprob):
+        return LOGPROB_FLOOR
+    return min(max(logprob, LOGPROB_FLOOR), 0.0)
 
 
 def top_entries(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:

@@ -28,6 +28,7 @@ from loraserve.entrypoints.serving_common import (
     context_length_exceeded,
     final_request_outputs,
     finish_error,
+    json_logprob,
     merge_streams,
     resolve_max_tokens,
     sse,
@@ -253,8 +254,10 @@ def _logprobs(
         entry = logprobs[position] if logprobs and position < len(logprobs) else {}
         text = token_text(token_id)
         result.tokens.append(text)
-        result.token_logprobs.append(entry.get(token_id))
-        result.top_logprobs.append({token_text(t): lp for t, lp in chosen_and_top(entry, k)})
+        chosen = entry.get(token_id)
+        result.token_logprobs.append(json_logprob(chosen) if chosen is not None else None)
+        result.top_logprobs.append({token_text(t): json_logprob(lp)
+                                    for t, lp in chosen_and_top(entry, k)})
         result.text_offset.append(offset)
         offset += len(text)
     return result
@@ -281,7 +284,7 @@ def _prompt_logprobs(
     """vLLM's prompt_logprobs: keyed by token id (as a string), with the token's text."""
     return [
         None if position is None else {
-            str(token_id): PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+            str(token_id): PromptLogprob(logprob=json_logprob(lp.logprob), rank=lp.rank,
                                          decoded_token=token_text(token_id))
             for token_id, lp in _top_of(position, k)
         }
@@ -309,9 +312,9 @@ def _echoed(
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
             continue
-        result.token_logprobs.append(position[token_id].logprob)
+        result.token_logprobs.append(json_logprob(position[token_id].logprob))
         result.top_logprobs.append(
-            {token_text(t): lp.logprob for t, lp in _top_of(position, k)})
+            {token_text(t): json_logprob(lp.logprob) for t, lp in _top_of(position, k)})
     result.tokens += generated.tokens
     result.token_logprobs += generated.token_logprobs
     result.top_logprobs += generated.top_logprobs

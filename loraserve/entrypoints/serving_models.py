@@ -28,7 +28,7 @@ from loraserve.entrypoints.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from loraserve.lora.errors import LoRANotFoundError
-from loraserve.lora.request import LoRARequest
+from loraserve.lora.request import LoRARequest, lora_name_error
 from loraserve.lora.resolver import LoRAResolver
 
 logger = logging.getLogger(__name__)
@@ -53,9 +53,12 @@ class ServingModels:
         max_model_len: int,
         resolvers: list[LoRAResolver] | None = None,
         allow_runtime_updates: bool = False,
+        max_loras: int | None = None,
     ) -> None:
         """model_path: the base model as `--model` named it (a Hub id or a
-        directory), which its model card shows as `root`."""
+        directory), which its model card shows as `root`. max_loras: the engine's
+        device slots, for the runtime pins to leave one to the other adapters
+        (None: not checked here)."""
         self.engine = engine
         self.served_model_names = served_model_names
         self.model_path = model_path
@@ -63,6 +66,9 @@ class ServingModels:
         self.resolvers = resolvers or []
         self.allow_runtime_updates = allow_runtime_updates
         self.loras: dict[str, LoRARequest] = {}
+        self.max_loras = max_loras
+        # Pinned adapters keep their device slots for good.
+        self.pinned: set[str] = set()
         self._ids = itertools.count(1)
         # Load, unload and resolve change self.loras across awaits: one at a time.
         self._lock = asyncio.Lock()
@@ -95,6 +101,8 @@ class ServingModels:
             except EngineUtilityError as exc:
                 raise ValueError(f"--lora-modules {module.name}={module.path}: {exc}") from exc
             self.loras[module.name] = request
+            if module.pinned:
+                self.pinned.add(module.name)
             logger.info("LoRA adapter %s loaded from %s%s", module.name, module.path,
                         " (pinned)" if module.pinned else "")
 
@@ -105,7 +113,9 @@ class ServingModels:
         lora = self.loras.get(model)
         if lora is not None:
             return lora
-        if self.allow_runtime_updates and self.resolvers:
+        # A name that no adapter may have is not asked about: it does not exist,
+        # like any other unknown name, and resolvers only ever see bounded names.
+        if self.allow_runtime_updates and self.resolvers and lora_name_error(model) is None:
             lora = await self._resolve_with_plugins(model)
             if lora is not None:
                 return lora
@@ -130,6 +140,8 @@ class ServingModels:
                 except EngineDeadError as exc:
                     raise engine_unavailable() from exc
                 self.loras[name] = request
+                logger.info("LoRA adapter %s found by resolver %s and loaded from %s", name,
+                            type(resolver).__name__, request.lora_path)
                 return request
         return None
 
@@ -163,6 +175,9 @@ class ServingModels:
         name, path = body.lora_name.strip(), body.lora_path.strip()
         if not name or not path:
             raise invalid_user_input("Both 'lora_name' and 'lora_path' must be provided.")
+        reason = lora_name_error(name)
+        if reason is not None:
+            raise invalid_user_input(f"Invalid 'lora_name': {reason}.", param="lora_name")
         if self.is_base_model(name):
             raise invalid_user_input(
                 f"'{name}' is the name of the base model, not an adapter.", param="lora_name"
@@ -174,6 +189,7 @@ class ServingModels:
                     f"The lora adapter '{name}' has already been loaded. If you want to load "
                     "the adapter in place, set 'load_inplace' to True.", param="lora_name",
                 )
+            self._check_slots_left(name, body.pinned)
             request = LoRARequest(
                 lora_name=name,
                 lora_int_id=existing.lora_int_id if existing else next(self._ids),
@@ -182,13 +198,37 @@ class ServingModels:
                 load_inplace=existing is not None,
             )
             try:
-                await self.engine.add_lora(request)
+                await self.engine.add_lora(request, pinned=body.pinned)
             except EngineUtilityError as exc:
                 raise load_error(exc) from exc
             except EngineDeadError as exc:
                 raise engine_unavailable() from exc
             self.loras[name] = msgspec.structs.replace(request, load_inplace=False)
+            if body.pinned:
+                self.pinned.add(name)
+        logger.info("LoRA adapter %s loaded from %s at run time%s%s", name, path,
+                    " in place" if existing is not None else "",
+                    " (pinned)" if name in self.pinned else "")
         return f"Success: LoRA adapter '{name}' added successfully."
+
+    def _check_slots_left(self, name: str, pin: bool) -> None:
+        """With runtime updates any adapter may be asked for later, and pinned
+        adapters never give up their slots: at least one slot must stay unpinned."""
+        if self.max_loras is None or name in self.pinned:
+            return  # unchecked, or an in-place reload of an adapter pinned already
+        pinned = sorted(self.pinned | {name} if pin else self.pinned)
+        if len(pinned) < self.max_loras:
+            return
+        if pin:
+            raise bad_request(
+                f"Pinning '{name}' would leave all {self.max_loras} device slots (--max-loras) "
+                f"to pinned adapters ({', '.join(pinned)}) and none for any other adapter.",
+                param="pinned",
+            )
+        raise bad_request(
+            f"All {self.max_loras} device slots (--max-loras) are held by pinned adapters "
+            f"({', '.join(pinned)}): '{name}' could never run.", param="lora_name",
+        )
 
     async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> str:
         """Forget the name and free the adapter's memory in the engine."""
@@ -200,12 +240,14 @@ class ServingModels:
                 raise not_found(f"The lora adapter '{name}' cannot be found.")
             # Forget the name first so that no new request selects it meanwhile.
             self.loras.pop(name)
+            self.pinned.discard(name)
             try:
                 await self.engine.remove_lora(name)
             except EngineUtilityError as exc:
                 raise APIError(500, f"Failed to unload LoRA adapter '{name}': {exc}") from exc
             except EngineDeadError as exc:
                 raise engine_unavailable() from exc
+        logger.info("LoRA adapter %s unloaded", name)
         return f"Success: LoRA adapter '{name}' removed successfully."
 
 

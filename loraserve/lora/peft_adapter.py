@@ -149,6 +149,9 @@ def read_peft_config(lora_name: str, adapter_dir: str) -> PeftConfig:
         raw = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise LoRAError(lora_name, f"{CONFIG_FILE} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise LoRAError(lora_name, f"{CONFIG_FILE} must hold a JSON object (PEFT's config), "
+                        f"not {_json_kind(raw)}")
     peft_type = raw.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
         raise LoRAError(lora_name, f"peft_type {peft_type!r} is not a LoRA adapter")
@@ -190,6 +193,16 @@ def read_peft_config(lora_name: str, adapter_dir: str) -> PeftConfig:
         alpha_pattern=dict(raw.get("alpha_pattern") or {}),
         ensure_weight_tying=bool(raw.get("ensure_weight_tying", False)),
     )
+
+
+def _json_kind(value: object) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    return "a number"
 
 
 def _is_number(value: object) -> bool:
@@ -288,6 +301,7 @@ def load_lora_model(
         max_rank = max(max_rank, rank)
     if not modules:
         raise LoRAError(name, "the adapter has no LoRA weights for any module of the model")
+    _check_scaled_gain(name, modules, dtype)
     return LoRAModel(name=name, int_id=lora_request.lora_int_id, path=adapter_dir,
                      rank=max_rank, modules=modules)
 
@@ -354,6 +368,30 @@ def _tie_lm_head(config: PeftConfig, info: ModelLoRAInfo,
         return
     pairs[lm_head] = {"A": emb["B"].T, "B": emb["A"].T}
     keys[lm_head, "A"], keys[lm_head, "B"] = keys[embedding, "B"], keys[embedding, "A"]
+
+
+def _check_scaled_gain(name: str, modules: dict, dtype: torch.dtype) -> None:
+    """Refuse scaled weights that are finite but overflow in use (a lora_alpha of
+    1e38 does that in float32). One output of `x @ A.T @ B.T` changes by at most
+    max_n |B[n]| * |A|_F per unit of |x| (Cauchy-Schwarz, then the Frobenius norm
+    bounding A's); the next RMSNorm and attention scores square what a layer
+    outputs, so past sqrt(max) of the lora dtype the forward pass gives inf and
+    NaN. Trained adapters stay many orders of magnitude below (about 1)."""
+    limit = torch.finfo(dtype).max ** 0.5
+    for path, module in modules.items():
+        for a, b in zip(module.lora_a, module.lora_b, strict=True):
+            if a is None or b is None:
+                continue
+            # A [..., r, K] and B [..., N, r]; experts layers have one per expert.
+            gain = (b.double().norm(dim=-1).amax(dim=-1)
+                    * a.double().flatten(-2).norm(dim=-1)).max().item()
+            if not gain <= limit:
+                raise LoRAError(
+                    name, f"the LoRA weights of {path!r}, scaled by lora_alpha / r, overflow "
+                    f"{dtype} (the lora dtype) in use: they change an output by up to "
+                    f"{gain:.3g} per unit of input, above the {limit:.3g} that stays finite "
+                    f"once squared; check lora_alpha in {CONFIG_FILE}"
+                )
 
 
 def _finite(tensor: torch.Tensor) -> bool:

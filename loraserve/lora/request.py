@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+import re
+
 import msgspec
+
+# Adapter names the server answers to (--lora-modules, /v1/load_lora_adapter, the
+# names resolvers are asked about): they become metric labels and log lines, so
+# their size is bounded, and the characters are those of Hub repo ids and paths
+# ("org/adapter-v1.2") plus `:@+` for tags and versions.
+MAX_LORA_NAME_LEN = 255
+_LORA_NAME_RE = re.compile(r"[A-Za-z0-9._\-/:@+]+")
+LORA_NAME_RULE = (f"up to {MAX_LORA_NAME_LEN} characters, each an ASCII letter, a digit or one "
+                  "of . _ - / : @ +")
+
+
+def lora_name_error(name: str) -> str | None:
+    """Why `name` cannot be an adapter's name, or None when it can."""
+    if len(name) > MAX_LORA_NAME_LEN:
+        return f"adapter names are {LORA_NAME_RULE}; this one has {len(name)} characters"
+    if not _LORA_NAME_RE.fullmatch(name):
+        return f"adapter names are {LORA_NAME_RULE}; {name!r} is not"
+    return None
 
 
 class LoRARequest(msgspec.Struct, omit_defaults=True, array_like=True):

@@ -167,6 +167,11 @@ class ClusterAdapters:
         self.registry = registry
 
     async def add_lora(self, lora: LoRARequest, pinned: bool = False) -> None:
+        if pinned:
+            # The registry publishes adapters without a pin: refuse rather than
+            # answer success for a pin that no replica would hold.
+            raise EngineUtilityError("ValueError", "serve-ray pins adapters only at start-up "
+                                     "(--lora-modules with \"pinned\": true)")
         try:
             error = await self.replicas.check_adapter.remote(lora)
         except RayError as exc:
