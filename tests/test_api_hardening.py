@@ -281,6 +281,15 @@ def test_the_api_key_guards_every_path_but_the_probes(server, method, path):
                              headers=server.headers).status_code == 200
 
 
+@pytest.mark.parametrize("header,status", [
+    (f"bearer {API_KEY}", 200), (f"BEARER {API_KEY}", 200), (f"Bearer  {API_KEY}", 200),
+    (f"Bearer {API_KEY.upper()}", 401), (f"Basic {API_KEY}", 401), (API_KEY, 401),
+])
+def test_the_bearer_scheme_is_case_insensitive_and_the_key_is_not(server, header, status):
+    response = httpx.get(server.url + "/v1/models", headers={"Authorization": header})
+    assert response.status_code == status, response.text
+
+
 def test_the_probes_answer_without_the_key(server):
     for path in ("/health", "/version", "/metrics"):
         assert httpx.get(server.url + path).status_code == 200, path

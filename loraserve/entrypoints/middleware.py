@@ -112,14 +112,22 @@ class GuardMiddleware:
             path = path[len(root):] or "/"
         if self.api_key and path not in self.open_paths and scope.get("method") != "OPTIONS":
             headers = dict(scope.get("headers") or [])
-            given = headers.get(b"authorization", b"")
-            if not secrets.compare_digest(given, f"Bearer {self.api_key}".encode()):
+            if not _bearer_matches(headers.get(b"authorization", b""), self.api_key):
                 return APIError(401, "Invalid or missing API key.")
         if self.drain.draining and path not in DRAIN_OPEN_PATHS:
             return shutting_down_error()
         if path.startswith("/v1") and self.engine_dead():
             return engine_unavailable()
         return None
+
+
+def _bearer_matches(header: bytes, api_key: str) -> bool:
+    """Whether an Authorization header carries the key as a Bearer credential. The
+    scheme is case-insensitive (RFC 7235: `bearer KEY` is as good as `Bearer KEY`),
+    the key is not."""
+    scheme, _, token = header.partition(b" ")
+    return scheme.lower() == b"bearer" and secrets.compare_digest(
+        token.lstrip(b" "), api_key.encode())
 
 
 def _content_length(scope: dict) -> int | None:
