@@ -351,6 +351,16 @@ def test_requests_beyond_the_limits_are_400(server, body, param):
     assert error["param"] == param, error
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/completions", {**HELLO, "logprobs": -1}, "logprobs"),
+])
+def test_a_bad_logprobs_count_names_the_field_the_request_set(server, path, body, param):
+    error = openai_error(server.post(path, body), 400)
+    assert error["param"] == param and param in error["message"], error
+
+
 _ints = st.one_of(st.integers(-3, 4), st.integers(-(2**70), 2**70))
 _floats = st.floats(allow_nan=True, allow_infinity=True)
 _texts = st.one_of(st.text(max_size=8), st.sampled_from(["", "\ud800", "<|im_end|>"]))

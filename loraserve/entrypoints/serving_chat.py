@@ -176,7 +176,7 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = min(max_tokens, self.sampling_defaults["max_new_tokens"])
         top_k = (request.top_logprobs or 0) if request.logprobs else None
         params = build_sampling_params(request, max_tokens, top_k, self.limits.vocab_size,
-                                       self.sampling_defaults)
+                                       self.sampling_defaults, logprobs_field="top_logprobs")
         if self.engine.is_dead:
             raise engine_unavailable()
         request_id = random_id("chatcmpl")

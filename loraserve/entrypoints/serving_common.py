@@ -227,11 +227,13 @@ def build_sampling_params(
     vocab_size: int,
     defaults: dict[str, Any] | None = None,
     prompt_logprobs: int | None = None,
+    logprobs_field: str = "logprobs",
 ) -> SamplingParams:
     """SamplingParams from an OpenAI request; invalid values become a 400.
 
     A field the request leaves unset takes the model's default (`defaults`), then
-    OpenAI's."""
+    OpenAI's. logprobs_field: the request field that `logprobs` came from (chat's
+    `top_logprobs`), which an error about it names."""
     defaults = defaults or {}
     check_token_ids(request.stop_token_ids or [], vocab_size, "stop_token_ids")
 
@@ -239,7 +241,9 @@ def build_sampling_params(
         value = getattr(request, name)
         return value if value is not None else defaults.get(name, fallback)
 
-    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+    for name, value in ((logprobs_field, logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and value < 0:
+            raise bad_request(f"{name} must be >= 0, got {value}.", param=name)
         if value is not None and value > MAX_LOGPROBS:
             raise bad_request(f"{name} must be at most {MAX_LOGPROBS}, got {value}.",
                               param=name)
