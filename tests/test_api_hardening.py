@@ -351,6 +351,32 @@ def test_requests_beyond_the_limits_are_400(server, body, param):
     assert error["param"] == param, error
 
 
+@pytest.mark.parametrize("path,messages", [
+    ("/v1/chat/completions", [{"role": "user", "content": None}]),
+    ("/v1/chat/completions", [{"role": "system", "content": "Be brief."}, {"role": "user"}]),
+    ("/v1/chat/completions", [{"role": "user", "content": "hi"},
+                              {"role": "assistant", "content": None}]),
+    ("/tokenize", [{"role": "user", "content": None}]),
+])
+def test_a_message_without_content_is_a_400_naming_the_field(server, path, messages):
+    body = {**CHAT, "messages": messages}
+    error = openai_error(server.post(path, body), 400)
+    index = len(messages) - 1
+    assert error["param"] == f"messages.[{index}].content", error
+    assert f"messages[{index}].content" in error["message"], error
+    assert "chat template" not in error["message"], error
+
+
+def test_an_assistant_message_with_tool_calls_may_have_null_content(server):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "lookup", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+    response = server.post("/v1/chat/completions", {**CHAT, "messages": messages})
+    assert response.status_code == 200, response.text
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),

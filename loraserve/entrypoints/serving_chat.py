@@ -55,10 +55,19 @@ if TYPE_CHECKING:
 _TEMPLATE_INPUTS = frozenset({"tools", "documents"})
 
 
-def _message_dict(message: Any) -> dict[str, Any]:
+def _message_dict(message: Any, index: int) -> dict[str, Any]:
     """A chat message as the template expects it; content parts must be text."""
     data = message.model_dump(exclude_none=True)
     content = data.get("content")
+    # As in OpenAI's API: only an assistant message that calls tools may go without
+    # content; anywhere else the template would fail on it, or drop it unseen.
+    if content is None and not (data.get("role") == "assistant"
+                                and (data.get("tool_calls") or data.get("function_call"))):
+        raise bad_request(
+            f"messages[{index}].content is required for a {data.get('role')!r} message; "
+            "only an assistant message with tool_calls may leave it null.",
+            param=f"messages.[{index}].content",
+        )
     if isinstance(content, list):
         texts = []
         for part in content:
@@ -130,7 +139,7 @@ class OpenAIServingChat(OpenAIServing):
         hf = self.tokenizer.hf
         if template is None and not getattr(hf, "chat_template", None):
             raise bad_request("This model has no chat template; use /v1/completions.")
-        messages = [_message_dict(m) for m in request.messages]
+        messages = [_message_dict(m, i) for i, m in enumerate(request.messages)]
         try:
             prompt = await self.tokenizer.run(
                 hf.apply_chat_template,
