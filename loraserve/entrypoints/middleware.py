@@ -96,12 +96,19 @@ class GuardMiddleware:
         self.open_paths = open_paths
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            error = self._refusal(scope)
-            if error is not None:
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        error = self._refusal(scope)
+        if error is not None:
+            await error.response()(scope, receive, send)
+            return
+        # Counted until the answer is sent (a stream to its end): the drain waits for it.
+        self.drain.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.in_flight -= 1
 
     def _refusal(self, scope: dict) -> APIError | None:
         # Behind --root-path uvicorn puts the prefix in front of the path: the rules
