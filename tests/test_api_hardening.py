@@ -145,14 +145,24 @@ def test_the_default_body_limit_is_16_mib(server):
     openai_error(post_raw(server, "/v1/completions", chunks()), 413)
 
 
-def test_health_answers_while_a_huge_prompt_is_handled(server):
+HUGE_TEXT = "Once upon a time " * 900_000
+
+
+@pytest.mark.parametrize("path,huge,param", [
+    ("/v1/completions", {**HELLO, "prompt": HUGE_TEXT}, "prompt"),
+    ("/tokenize", {"model": "base", "prompt": HUGE_TEXT}, "prompt"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": HUGE_TEXT}]},
+     "messages"),
+    ("/tokenize", {"model": "base", "messages": [{"role": "user", "content": HUGE_TEXT}]},
+     "messages"),
+])
+def test_health_answers_while_a_huge_prompt_is_handled(server, path, huge, param):
     # 15 MB of text: far too long for a 512-token context, refused before it is
     # tokenized (tokenizing it would take seconds to minutes and gigabytes).
-    huge = {**HELLO, "prompt": "Once upon a time " * 900_000}
     result: dict = {}
 
     def send() -> None:
-        result["response"] = server.post("/v1/completions", huge)
+        result["response"] = server.post(path, huge)
 
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
@@ -162,7 +172,38 @@ def test_health_answers_while_a_huge_prompt_is_handled(server):
         time.sleep(0.05)
     sender.join()
     error = openai_error(result["response"], 400)
-    assert "maximum context length is 512" in error["message"] and error["param"] == "prompt"
+    assert "maximum context length is 512" in error["message"] and error["param"] == param
+
+
+def test_detokenize_takes_at_most_a_context_of_tokens(server):
+    full = server.post("/detokenize", {"model": "base", "tokens": [5] * 512})
+    assert full.status_code == 200, full.text
+    error = openai_error(server.post("/detokenize", {"model": "base", "tokens": [5] * 513}),
+                         400)
+    assert "maximum context length is 512" in error["message"] and error["param"] == "tokens"
+
+
+def test_without_a_token_bound_a_prompt_is_capped_in_characters(llama_dir):
+    from tokenizers import normalizers
+    from transformers import AutoTokenizer
+
+    from loraserve.entrypoints.errors import APIError
+    from loraserve.entrypoints.request_tokenizer import MAX_CHARS_PER_TOKEN
+    from loraserve.entrypoints.serving_common import check_prompt_size
+
+    hf = AutoTokenizer.from_pretrained(llama_dir)
+    hf.backend_tokenizer.normalizer = normalizers.Lowercase()  # no bound holds then
+    tokenizer = RequestTokenizer(hf)
+    try:
+        assert tokenizer.min_tokens("x" * 100_000) == 0
+        most = 511 * MAX_CHARS_PER_TOKEN
+        check_prompt_size(tokenizer, 512, "x" * most, "prompt")
+        with pytest.raises(APIError) as info:
+            check_prompt_size(tokenizer, 512, "x" * (most + 1), "prompt")
+        assert info.value.status == 400 and info.value.param == "prompt"
+        assert f"{most + 1} characters" in info.value.message
+    finally:
+        tokenizer.shutdown()
 
 
 class _ThreadRecordingTokenizer:

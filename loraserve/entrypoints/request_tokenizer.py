@@ -27,6 +27,11 @@ T = TypeVar("T")
 # syllable, a letter and two combining marks into one code point): checked over
 # every code point, the output is never shorter than a third of the input.
 _NFC_MAX_SHRINK = 3
+# Where no bound holds, a text longer than this many characters for each token it may
+# have is refused without tokenizing it. Prose averages about 4 characters a token,
+# code and runs of whitespace a few more: 32 is far beyond what a real prompt needs,
+# and keeps the work of one request in proportion to the context.
+MAX_CHARS_PER_TOKEN = 32
 # Pre-tokenizers that keep every byte of their input in some piece ("Removed"
 # would drop the matches).
 _KEEPING_SPLIT_BEHAVIOURS = {"Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous"}
@@ -178,6 +183,15 @@ class RequestTokenizer:
     def min_tokens(self, text: str) -> int:
         """A number of tokens that `text` certainly has at least (0: unknown)."""
         return 0 if self._bound is None else self._bound.min_tokens(text)
+
+    def max_chars(self, tokens: int) -> int:
+        """The most characters a text of at most `tokens` tokens may have: from the
+        bound where one holds (a character is at least one byte), else
+        MAX_CHARS_PER_TOKEN a token."""
+        bound = self._bound
+        if bound is None or bound.skipped_bytes:  # skipped bytes cost no token
+            return tokens * MAX_CHARS_PER_TOKEN
+        return tokens * bound.bytes_per_token * bound.shrink
 
     def shutdown(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)

@@ -127,12 +127,11 @@ class OpenAIServingChat(OpenAIServing):
         return template, kwargs
 
     async def render_prompt(
-        self, request: ChatCompletionRequest, check_length: bool = True
+        self, request: ChatCompletionRequest, room: int = 1
     ) -> tuple[str, list[int]]:
-        """Apply the chat template; the template itself adds any BOS token.
-
-        check_length: refuse a rendered prompt that certainly does not fit the
-        context before tokenizing it."""
+        """Apply the chat template; the template itself adds any BOS token. A
+        rendered prompt that certainly leaves fewer than `room` tokens of the
+        context free is refused before it is tokenized."""
         if not request.messages:
             raise bad_request("messages must not be empty.", param="messages")
         template, kwargs = self._template_and_kwargs(request)
@@ -153,8 +152,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
             raise bad_request(f"Could not apply the chat template: {exc}", "messages") from exc
-        if check_length:
-            self.check_prompt_text(prompt, param="messages")
+        self.check_prompt(prompt, param="messages", room=room)
         ids = await self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
         if not ids:
             raise bad_request("The rendered prompt is empty.", param="messages")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -65,12 +65,40 @@ class OpenAIServing:
     def max_model_len(self) -> int:
         return self.limits.max_model_len
 
-    def check_prompt_text(self, text: str, param: str = "prompt") -> None:
-        """400 at once for a text that certainly has too many tokens, before anyone
-        spends the time and memory to tokenize it."""
-        at_least = self.tokenizer.min_tokens(text)
-        if at_least >= self.max_model_len:
-            raise context_length_exceeded(self.max_model_len, at_least, param, exact=False)
+    def check_prompt(self, prompt: str | Sequence[int], param: str = "prompt",
+                     room: int = 1) -> None:
+        check_prompt_size(self.tokenizer, self.max_model_len, prompt, param, room)
+
+
+def check_prompt_size(
+    tokenizer: RequestTokenizer,
+    max_model_len: int,
+    prompt: str | Sequence[int],
+    param: str,
+    room: int = 1,
+) -> None:
+    """400 at once for a prompt (a text, or token ids) that certainly has more than
+    `max_model_len - room` tokens, before anyone spends the time and memory to
+    tokenize or detokenize it. Every endpoint checks what it is given here.
+
+    room: the tokens the request must leave free to generate (none for /tokenize
+    and /detokenize, which only count and convert)."""
+    allowed = max_model_len - room
+    if not isinstance(prompt, str):
+        if len(prompt) > allowed:
+            raise context_length_exceeded(max_model_len, len(prompt), param)
+        return
+    at_least = tokenizer.min_tokens(prompt)
+    if at_least > allowed:
+        raise context_length_exceeded(max_model_len, at_least, param, exact=False)
+    most = tokenizer.max_chars(allowed)
+    if len(prompt) > most:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt is {len(prompt)} characters long, more than the {most} this server "
+            "tokenizes for that context. Please reduce the length of the input.",
+            param=param,
+        )
 
 
 # Fields of vLLM's CompletionRequest and ChatCompletionRequest that loraserve does
