@@ -1,18 +1,23 @@
 """POST /v1/chat/completions: the tokenizer's chat template, then generation.
 
-Templates render through transformers, in its sandboxed Jinja environment, on the
-tokenizer's thread: a template is code, and even the sandbox does not bound how
-long it runs. A request may bring its own template only when the server is started
-with --trust-request-chat-template."""
+Templates render as transformers renders them, in a Jinja sandbox bounded in
+output, values and time (chat_template.py), on a tokenizer thread: a template is
+code. A request may bring its own template only when the server is started with
+--trust-request-chat-template, and that one always renders on the thread for
+large work, where a slow one holds up no small request."""
 
 from __future__ import annotations
 
 import inspect
+import json
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
+from loraserve import envs
+from loraserve.entrypoints.chat_template import ChatTemplateRenderer, TooLarge
 from loraserve.entrypoints.errors import bad_request, engine_unavailable
 from loraserve.entrypoints.protocol import (
     ChatChoiceLogprobs,
@@ -41,6 +46,7 @@ from loraserve.entrypoints.serving_common import (
     resolve_max_tokens,
     sse,
     sse_events,
+    too_many_characters,
     top_entries,
     usage_options,
 )
@@ -93,6 +99,10 @@ class OpenAIServingChat(OpenAIServing):
     ) -> None:
         super().__init__(engine, models, tokenizer, limits, sampling_defaults)
         self.trust_request_chat_template = trust_request_chat_template
+        # Longer output could not fit the context anyway.
+        self.renderer = ChatTemplateRenderer(
+            tokenizer.hf, tokenizer.max_chars(limits.max_model_len),
+            float(envs.CHAT_TEMPLATE_TIMEOUT_S.get()))
         signature = inspect.signature(tokenizer.hf.apply_chat_template)
         self._reserved_kwargs = frozenset(
             name for name, p in signature.parameters.items()
@@ -139,17 +149,26 @@ class OpenAIServingChat(OpenAIServing):
         if template is None and not getattr(hf, "chat_template", None):
             raise bad_request("This model has no chat template; use /v1/completions.")
         messages = [_message_dict(m, i) for i, m in enumerate(request.messages)]
+        # The server's template does work in proportion to its inputs; one from the
+        # request may do any amount.
+        size = math.inf if template is not None else \
+            len(json.dumps([messages, kwargs], ensure_ascii=False, default=str))
         try:
             prompt = await self.tokenizer.run(
-                hf.apply_chat_template,
+                size,
+                self.renderer.render,
                 messages,
                 chat_template=template,
-                tokenize=False,
                 add_generation_prompt=request.add_generation_prompt
                 and not request.continue_final_message,
                 continue_final_message=request.continue_final_message,
                 **kwargs,
             )
+        except TooLarge as exc:
+            if template is None:  # the server's own template: the messages are too long
+                raise too_many_characters(self.max_model_len, self.renderer.env.max_chars,
+                                          "messages") from exc
+            raise bad_request(f"Could not apply the chat template: {exc}", "messages") from exc
         except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
             raise bad_request(f"Could not apply the chat template: {exc}", "messages") from exc
         self.check_prompt(prompt, param="messages", room=room)

@@ -93,12 +93,21 @@ def check_prompt_size(
         raise context_length_exceeded(max_model_len, at_least, param, exact=False)
     most = tokenizer.max_chars(allowed)
     if len(prompt) > most:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt is {len(prompt)} characters long, more than the {most} this server "
-            "tokenizes for that context. Please reduce the length of the input.",
-            param=param,
-        )
+        raise too_many_characters(max_model_len, most, param, len(prompt))
+
+
+def too_many_characters(
+    max_model_len: int, most: int, param: str, length: int | None = None
+) -> APIError:
+    """The 400 for a prompt longer than the `most` characters that the server
+    tokenizes for its context (length: the prompt's, where known)."""
+    has = "is longer than" if length is None else f"is {length} characters long, more than"
+    return bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, your "
+        f"prompt {has} the {most} characters this server tokenizes for that context. "
+        "Please reduce the length of the input.",
+        param=param,
+    )
 
 
 # Fields of vLLM's CompletionRequest and ChatCompletionRequest that loraserve does
