@@ -74,6 +74,12 @@ ENGINE_READY_TIMEOUT_S = EnvVar(
     "Seconds the API server waits for the engine process to load the model and report "
     "ready before giving up.",
 )
+CHAT_TEMPLATE_TIMEOUT_S = EnvVar(
+    "LORASERVE_CHAT_TEMPLATE_TIMEOUT_S",
+    "5",
+    "Seconds a chat template may take to render one request before the request gets "
+    "a 400 (a template is code, and one from a request may loop for minutes).",
+)
 PLUGINS = EnvVar(
     "LORASERVE_PLUGINS",
     "",
@@ -101,8 +107,8 @@ TRITON_INTERPRET = EnvVar(
 
 VARIABLES: tuple[EnvVar, ...] = (
     API_KEY, ALLOW_RUNTIME_LORA_UPDATING, KEEP_ALIVE_ON_ENGINE_DEATH, ENGINE_READY_TIMEOUT_S,
-    PLUGINS, LORA_RESOLVER_CACHE_DIR, LORA_RESOLVER_HF_REPO_LIST, LORA_CONFIG, CACHE_DIR,
-    NO_PROGRESS, TRITON_INTERPRET,
+    CHAT_TEMPLATE_TIMEOUT_S, PLUGINS, LORA_RESOLVER_CACHE_DIR, LORA_RESOLVER_HF_REPO_LIST,
+    LORA_CONFIG, CACHE_DIR, NO_PROGRESS, TRITON_INTERPRET,
 )
 
 

@@ -34,11 +34,11 @@ HELLO = {"model": "base", "prompt": "Hello", "max_tokens": 2}
 CHAT = {"model": "base", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
 LONG = {"model": "base", "prompt": "Once upon a time", "max_tokens": 450, "temperature": 0.0,
         "ignore_eos": True}
-# About 10^6 template steps: seconds of CPU, however fast the machine.
-SLOW_TEMPLATE = (
-    "{% set ns = namespace(x=0) %}{% for i in range(1000) %}{% for j in range(1000) %}"
-    "{% set ns.x = ns.x + 1 %}{% endfor %}{% endfor %}{{ ns.x }}"
+# 10^10 template steps: hours, however fast the machine; only a time limit ends it.
+ENDLESS_TEMPLATE = (
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 )
+TEMPLATE_TIMEOUT_S = 3
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def trusting_server(llama_dir):
     with ServerProcess(
         [llama_dir, "--served-model-name", "base", "--trust-request-chat-template",
          "--metrics-require-api-key", "--max-request-body-bytes", str(SMALL_BODY_LIMIT)],
-        api_key=API_KEY,
+        api_key=API_KEY, env={"LORASERVE_CHAT_TEMPLATE_TIMEOUT_S": str(TEMPLATE_TIMEOUT_S)},
     ) as srv:
         yield srv
 
@@ -145,14 +145,24 @@ def test_the_default_body_limit_is_16_mib(server):
     openai_error(post_raw(server, "/v1/completions", chunks()), 413)
 
 
-def test_health_answers_while_a_huge_prompt_is_handled(server):
+HUGE_TEXT = "Once upon a time " * 900_000
+
+
+@pytest.mark.parametrize("path,huge,param", [
+    ("/v1/completions", {**HELLO, "prompt": HUGE_TEXT}, "prompt"),
+    ("/tokenize", {"model": "base", "prompt": HUGE_TEXT}, "prompt"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": HUGE_TEXT}]},
+     "messages"),
+    ("/tokenize", {"model": "base", "messages": [{"role": "user", "content": HUGE_TEXT}]},
+     "messages"),
+])
+def test_health_answers_while_a_huge_prompt_is_handled(server, path, huge, param):
     # 15 MB of text: far too long for a 512-token context, refused before it is
     # tokenized (tokenizing it would take seconds to minutes and gigabytes).
-    huge = {**HELLO, "prompt": "Once upon a time " * 900_000}
     result: dict = {}
 
     def send() -> None:
-        result["response"] = server.post("/v1/completions", huge)
+        result["response"] = server.post(path, huge)
 
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
@@ -162,7 +172,38 @@ def test_health_answers_while_a_huge_prompt_is_handled(server):
         time.sleep(0.05)
     sender.join()
     error = openai_error(result["response"], 400)
-    assert "maximum context length is 512" in error["message"] and error["param"] == "prompt"
+    assert "maximum context length is 512" in error["message"] and error["param"] == param
+
+
+def test_detokenize_takes_at_most_a_context_of_tokens(server):
+    full = server.post("/detokenize", {"model": "base", "tokens": [5] * 512})
+    assert full.status_code == 200, full.text
+    error = openai_error(server.post("/detokenize", {"model": "base", "tokens": [5] * 513}),
+                         400)
+    assert "maximum context length is 512" in error["message"] and error["param"] == "tokens"
+
+
+def test_without_a_token_bound_a_prompt_is_capped_in_characters(llama_dir):
+    from tokenizers import normalizers
+    from transformers import AutoTokenizer
+
+    from loraserve.entrypoints.errors import APIError
+    from loraserve.entrypoints.request_tokenizer import MAX_CHARS_PER_TOKEN
+    from loraserve.entrypoints.serving_common import check_prompt_size
+
+    hf = AutoTokenizer.from_pretrained(llama_dir)
+    hf.backend_tokenizer.normalizer = normalizers.Lowercase()  # no bound holds then
+    tokenizer = RequestTokenizer(hf)
+    try:
+        assert tokenizer.min_tokens("x" * 100_000) == 0
+        most = 511 * MAX_CHARS_PER_TOKEN
+        check_prompt_size(tokenizer, 512, "x" * most, "prompt")
+        with pytest.raises(APIError) as info:
+            check_prompt_size(tokenizer, 512, "x" * (most + 1), "prompt")
+        assert info.value.status == 400 and info.value.param == "prompt"
+        assert f"{most + 1} characters" in info.value.message
+    finally:
+        tokenizer.shutdown()
 
 
 class _ThreadRecordingTokenizer:
@@ -176,9 +217,9 @@ class _ThreadRecordingTokenizer:
         self.threads.add(threading.get_ident())
         return self._tokenizer(*args, **kwargs)
 
-    def apply_chat_template(self, *args, **kwargs):
+    def get_chat_template(self, *args, **kwargs):  # what a render starts with
         self.threads.add(threading.get_ident())
-        return self._tokenizer.apply_chat_template(*args, **kwargs)
+        return self._tokenizer.get_chat_template(*args, **kwargs)
 
     def decode(self, *args, **kwargs):
         self.threads.add(threading.get_ident())
@@ -249,18 +290,79 @@ def test_metrics_can_require_the_api_key(trusting_server, server):
     assert httpx.get(server.url + "/metrics").status_code == 200  # open by default
 
 
-def test_a_slow_trusted_template_does_not_block_health(trusting_server):
-    # The last test on this server: the template keeps its tokenizer thread busy.
+def test_an_endless_trusted_template_is_stopped_and_delays_no_one(trusting_server):
+    chat = {"model": "base", "messages": [{"role": "user", "content": "hi"}]}
+    result: dict = {}
+
+    def endless() -> None:
+        result["response"] = trusting_server.post(
+            "/tokenize", {**chat, "chat_template": ENDLESS_TEMPLATE})
+
+    heavy = threading.Thread(target=endless, daemon=True)
+    heavy.start()
+    time.sleep(0.5)  # it renders meanwhile
+    # Small requests that need the tokenizer threads are answered while it renders.
+    small = trusting_server.post("/tokenize", {"model": "base", "prompt": "Hello"})
+    assert small.status_code == 200, small.text
+    rendered = trusting_server.post("/tokenize", chat)  # the server's own template
+    assert rendered.status_code == 200, rendered.text
+    answered = trusting_server.post("/v1/chat/completions", {**chat, "max_tokens": 2})
+    assert answered.status_code == 200, answered.text
+    assert httpx.get(trusting_server.url + "/health", timeout=3).status_code == 200
+    assert heavy.is_alive()  # all of that while the template still ran
+    heavy.join(timeout=60)
+    error = openai_error(result["response"], 400)
+    assert f"time limit of {TEMPLATE_TIMEOUT_S} s" in error["message"], error
+
+
+@pytest.mark.parametrize("template", [
+    "{{ 'x' * 10**10 }}",
+    "{{ [0] * 10**10 }}",
+    "{{ 'x'.center(10**10) }}",
+    "{{ 'x'|center(10**10) }}",
+    "{{ '{:>10000000000}'.format('x') }}",
+    "{{ '%10000000000s' % 'x' }}",
+    "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+    "{% endfor %}{{ ns.s|length }}",
+    "{{ (('x' * 5000).replace('', 'y' * 5000))|length }}",
+    "{{ range(5000)|map('string')|join('y' * 5000)|length }}",
+    "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+])
+def test_a_trusted_template_cannot_make_huge_values(trusting_server, template):
     body = {"model": "base", "messages": [{"role": "user", "content": "hi"}],
-            "chat_template": SLOW_TEMPLATE}
-    slow = threading.Thread(target=lambda: trusting_server.post("/tokenize", body),
-                            daemon=True)
-    slow.start()
-    end = time.monotonic() + 2.5
-    while time.monotonic() < end:  # the template renders meanwhile
-        assert httpx.get(trusting_server.url + "/health", timeout=3).status_code == 200
-        time.sleep(0.1)
-    assert slow.is_alive()  # still rendering: health did not wait for it
+            "chat_template": template}
+    error = openai_error(trusting_server.post("/tokenize", body), 400)
+    assert "limit" in error["message"] and "characters" in error["message"], error
+    assert trusting_server.post("/tokenize", {"model": "base", "prompt": "hi"}).status_code \
+        == 200
+
+
+def test_the_bounded_renderer_renders_as_transformers_does(llama_dir):
+    from transformers import AutoTokenizer
+
+    from loraserve.entrypoints.chat_template import ChatTemplateRenderer
+
+    hf = AutoTokenizer.from_pretrained(llama_dir)
+    renderer = ChatTemplateRenderer(hf, max_chars=100_000, timeout_s=5)
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}]
+    template = (
+        "{{ bos_token }}{% set ns = namespace(n=0) %}"
+        "{% if tools %}{{ tools|tojson(indent=2) }}\n{% endif %}"
+        "{%- for m in messages %}{% if m.role == 'skip' %}{% continue %}{% endif %}"
+        "{% set ns.n = ns.n + 1 %}<{{ m['role'] }}>{% if m.role == 'assistant' %}"
+        "{% generation %}{{ m.content }}{% endgeneration %}{% else %}{{ m.content|trim }}"
+        "{% endif %}\n{% endfor %}{{ dict(n=ns.n)|tojson }}{{ '%05d' % ns.n }}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}{{ extra | default('') }}"
+    )
+    messages = [{"role": "system", "content": " Be brief. "}, {"role": "skip", "content": "x"},
+                {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    for kwargs in ({"add_generation_prompt": True, "tools": tools, "extra": "!"},
+                   {"continue_final_message": True}, {"chat_template": None}):
+        chosen = kwargs.pop("chat_template", template)
+        expected = hf.apply_chat_template(messages, chat_template=chosen, tokenize=False,
+                                          **kwargs)
+        assert renderer.render(messages, chat_template=chosen, **kwargs) == expected, kwargs
 
 
 # -- authentication ---------------------------------------------------------------
@@ -279,6 +381,15 @@ def test_the_api_key_guards_every_path_but_the_probes(server, method, path):
     if path not in ("/no/such/path", "/v1/completions"):
         assert httpx.request(method, server.url + path, json=body,
                              headers=server.headers).status_code == 200
+
+
+@pytest.mark.parametrize("header,status", [
+    (f"bearer {API_KEY}", 200), (f"BEARER {API_KEY}", 200), (f"Bearer  {API_KEY}", 200),
+    (f"Bearer {API_KEY.upper()}", 401), (f"Basic {API_KEY}", 401), (API_KEY, 401),
+])
+def test_the_bearer_scheme_is_case_insensitive_and_the_key_is_not(server, header, status):
+    response = httpx.get(server.url + "/v1/models", headers={"Authorization": header})
+    assert response.status_code == status, response.text
 
 
 def test_the_probes_answer_without_the_key(server):
@@ -340,6 +451,42 @@ def test_seeds_across_the_signed_64_bit_range_work(server, seed, n):
 def test_requests_beyond_the_limits_are_400(server, body, param):
     error = openai_error(server.post("/v1/completions", body), 400)
     assert error["param"] == param, error
+
+
+@pytest.mark.parametrize("path,messages", [
+    ("/v1/chat/completions", [{"role": "user", "content": None}]),
+    ("/v1/chat/completions", [{"role": "system", "content": "Be brief."}, {"role": "user"}]),
+    ("/v1/chat/completions", [{"role": "user", "content": "hi"},
+                              {"role": "assistant", "content": None}]),
+    ("/tokenize", [{"role": "user", "content": None}]),
+])
+def test_a_message_without_content_is_a_400_naming_the_field(server, path, messages):
+    body = {**CHAT, "messages": messages}
+    error = openai_error(server.post(path, body), 400)
+    index = len(messages) - 1
+    assert error["param"] == f"messages.[{index}].content", error
+    assert f"messages[{index}].content" in error["message"], error
+    assert "chat template" not in error["message"], error
+
+
+def test_an_assistant_message_with_tool_calls_may_have_null_content(server):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "lookup", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+    response = server.post("/v1/chat/completions", {**CHAT, "messages": messages})
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/completions", {**HELLO, "logprobs": -1}, "logprobs"),
+])
+def test_a_bad_logprobs_count_names_the_field_the_request_set(server, path, body, param):
+    error = openai_error(server.post(path, body), 400)
+    assert error["param"] == param and param in error["message"], error
 
 
 _ints = st.one_of(st.integers(-3, 4), st.integers(-(2**70), 2**70))

@@ -60,6 +60,54 @@ def test_signal_stops_every_process_within_10s(llama_dir, sig):
         server.kill()
 
 
+def test_a_new_request_during_the_drain_gets_503_while_those_in_flight_finish(llama_dir):
+    # One sequence at a time: the streams taken before SIGTERM run one after another,
+    # so the last of them runs for seconds into the drain.
+    server = ServerProcess([llama_dir, "--served-model-name", "base", "--max-num-seqs", "1",
+                            "--shutdown-timeout", "60"])
+    try:
+        results: list = []
+        started = [threading.Event() for _ in range(6)]
+
+        def stream(taken: threading.Event) -> None:
+            with httpx.stream("POST", server.url + "/v1/completions",
+                              json={"model": "base", "stream": True, **LONG},
+                              timeout=60) as response:
+                taken.set()  # headers: the server has taken it
+                lines = [line for line in response.iter_lines() if line]
+            results.append((response.status_code, lines))
+
+        threads = [threading.Thread(target=stream, args=(e,), daemon=True) for e in started]
+        for thread in threads:
+            thread.start()
+        assert all(event.wait(30) for event in started), server.output()
+        server.proc.send_signal(signal.SIGTERM)
+
+        def health_says_draining() -> bool:
+            try:  # a new connection each time
+                return httpx.get(server.url + "/health", timeout=5).status_code == 503
+            except httpx.ConnectError:
+                return False
+
+        assert wait_until(health_says_draining, 10), server.output()
+        refused = httpx.post(server.url + "/v1/completions", timeout=10,
+                             json={"model": "base", "prompt": "hi", "max_tokens": 2})
+        assert any(thread.is_alive() for thread in threads), "nothing was in flight"
+        assert refused.status_code == 503, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == 503 and "shutting down" in error["message"], error
+        for thread in threads:
+            thread.join(timeout=60)
+        assert len(results) == len(threads), results
+        for status, lines in results:  # every one taken before SIGTERM ran to its end
+            assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+            assert '"finish_reason": "length"' in lines[-2], lines[-3:]
+        assert wait_until(lambda: server.proc.poll() is not None, 30), server.output()
+        assert server.proc.returncode == 0, server.output()
+    finally:
+        server.kill()
+
+
 def test_ctrl_c_to_the_process_group_stops_cleanly(llama_dir):
     # Ctrl-C reaches the API server and the engine at once; neither may hang or
     # print a traceback while the other goes away.

@@ -96,12 +96,19 @@ class GuardMiddleware:
         self.open_paths = open_paths
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            error = self._refusal(scope)
-            if error is not None:
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        error = self._refusal(scope)
+        if error is not None:
+            await error.response()(scope, receive, send)
+            return
+        # Counted until the answer is sent (a stream to its end): the drain waits for it.
+        self.drain.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.in_flight -= 1
 
     def _refusal(self, scope: dict) -> APIError | None:
         # Behind --root-path uvicorn puts the prefix in front of the path: the rules
@@ -112,14 +119,22 @@ class GuardMiddleware:
             path = path[len(root):] or "/"
         if self.api_key and path not in self.open_paths and scope.get("method") != "OPTIONS":
             headers = dict(scope.get("headers") or [])
-            given = headers.get(b"authorization", b"")
-            if not secrets.compare_digest(given, f"Bearer {self.api_key}".encode()):
+            if not _bearer_matches(headers.get(b"authorization", b""), self.api_key):
                 return APIError(401, "Invalid or missing API key.")
         if self.drain.draining and path not in DRAIN_OPEN_PATHS:
             return shutting_down_error()
         if path.startswith("/v1") and self.engine_dead():
             return engine_unavailable()
         return None
+
+
+def _bearer_matches(header: bytes, api_key: str) -> bool:
+    """Whether an Authorization header carries the key as a Bearer credential. The
+    scheme is case-insensitive (RFC 7235: `bearer KEY` is as good as `Bearer KEY`),
+    the key is not."""
+    scheme, _, token = header.partition(b" ")
+    return scheme.lower() == b"bearer" and secrets.compare_digest(
+        token.lstrip(b" "), api_key.encode())
 
 
 def _content_length(scope: dict) -> int | None:

@@ -2,10 +2,12 @@
 check that refuses a prompt text certainly too long before anyone tokenizes it.
 
 Tokenizing or rendering a chat template takes time that grows with the request
-(a 16 MB prompt: tens of seconds and gigabytes on a small CPU), so it runs on one
+(a 16 MB prompt: tens of seconds and gigabytes on a small CPU), so it runs on a
 worker thread while the event loop keeps serving everyone else, /health included.
-Fast tokenizers release the GIL while they encode. One thread, not a pool: it
-bounds the memory that large requests hold at once.
+Fast tokenizers release the GIL while they encode. Two threads: one for small
+work, one for large work (a long text, a template from the request), so that a
+large request never delays the small ones, and only one large request holds
+memory at a time.
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ T = TypeVar("T")
 # syllable, a letter and two combining marks into one code point): checked over
 # every code point, the output is never shorter than a third of the input.
 _NFC_MAX_SHRINK = 3
+# Work on more characters than this (text to tokenize or render, ids to decode at
+# about 4 characters each) goes to the worker for large work: a few milliseconds
+# of tokenizing below it.
+LARGE_WORK_CHARS = 1 << 16
+# Where no bound holds, a text longer than this many characters for each token it may
+# have is refused without tokenizing it. Prose averages about 4 characters a token,
+# code and runs of whitespace a few more: 32 is far beyond what a real prompt needs,
+# and keeps the work of one request in proportion to the context.
+MAX_CHARS_PER_TOKEN = 32
 # Pre-tokenizers that keep every byte of their input in some piece ("Removed"
 # would drop the matches).
 _KEEPING_SPLIT_BEHAVIOURS = {"Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous"}
@@ -157,27 +168,40 @@ class RequestTokenizer:
     """The server's Hugging Face tokenizer (`hf`), with its request-sized work off
     the event loop."""
 
-    def __init__(self, tokenizer: Any, worker: Executor | None = None) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self.hf = tokenizer
-        self._worker = worker or DaemonWorker("loraserve-tokenizer")
+        self._small = DaemonWorker("loraserve-tokenizer")
+        self._large = DaemonWorker("loraserve-tokenizer-large")
         self._bound = token_count_bound(tokenizer)
 
-    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """fn(*args, **kwargs) on the tokenizer's thread."""
-        return await asyncio.wrap_future(self._worker.submit(fn, *args, **kwargs))
+    async def run(self, size: float, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) on a tokenizer thread: the one for large work when
+        `size` (the characters it works on) passes LARGE_WORK_CHARS."""
+        worker = self._large if size > LARGE_WORK_CHARS else self._small
+        return await asyncio.wrap_future(worker.submit(fn, *args, **kwargs))
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self.run(self._encode, text, add_special_tokens)
+        return await self.run(len(text), self._encode, text, add_special_tokens)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.hf(text, add_special_tokens=add_special_tokens).input_ids
 
     async def decode(self, token_ids: list[int]) -> str:
-        return await self.run(self.hf.decode, token_ids)
+        return await self.run(4 * len(token_ids), self.hf.decode, token_ids)
 
     def min_tokens(self, text: str) -> int:
         """A number of tokens that `text` certainly has at least (0: unknown)."""
         return 0 if self._bound is None else self._bound.min_tokens(text)
 
+    def max_chars(self, tokens: int) -> int:
+        """The most characters a text of at most `tokens` tokens may have: from the
+        bound where one holds (a character is at least one byte), else
+        MAX_CHARS_PER_TOKEN a token."""
+        bound = self._bound
+        if bound is None or bound.skipped_bytes:  # skipped bytes cost no token
+            return tokens * MAX_CHARS_PER_TOKEN
+        return tokens * bound.bytes_per_token * bound.shrink
+
     def shutdown(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        for worker in (self._small, self._large):
+            worker.shutdown(wait=False, cancel_futures=True)

@@ -1,18 +1,23 @@
 """POST /v1/chat/completions: the tokenizer's chat template, then generation.
 
-Templates render through transformers, in its sandboxed Jinja environment, on the
-tokenizer's thread: a template is code, and even the sandbox does not bound how
-long it runs. A request may bring its own template only when the server is started
-with --trust-request-chat-template."""
+Templates render as transformers renders them, in a Jinja sandbox bounded in
+output, values and time (chat_template.py), on a tokenizer thread: a template is
+code. A request may bring its own template only when the server is started with
+--trust-request-chat-template, and that one always renders on the thread for
+large work, where a slow one holds up no small request."""
 
 from __future__ import annotations
 
 import inspect
+import json
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
+from loraserve import envs
+from loraserve.entrypoints.chat_template import ChatTemplateRenderer, TooLarge
 from loraserve.entrypoints.errors import bad_request, engine_unavailable
 from loraserve.entrypoints.protocol import (
     ChatChoiceLogprobs,
@@ -43,6 +48,7 @@ from loraserve.entrypoints.serving_common import (
     resolve_max_tokens,
     sse,
     sse_events,
+    too_many_characters,
     top_entries,
     usage_options,
 )
@@ -57,10 +63,19 @@ if TYPE_CHECKING:
 _TEMPLATE_INPUTS = frozenset({"tools", "documents"})
 
 
-def _message_dict(message: Any) -> dict[str, Any]:
+def _message_dict(message: Any, index: int) -> dict[str, Any]:
     """A chat message as the template expects it; content parts must be text."""
     data = message.model_dump(exclude_none=True)
     content = data.get("content")
+    # As in OpenAI's API: only an assistant message that calls tools may go without
+    # content; anywhere else the template would fail on it, or drop it unseen.
+    if content is None and not (data.get("role") == "assistant"
+                                and (data.get("tool_calls") or data.get("function_call"))):
+        raise bad_request(
+            f"messages[{index}].content is required for a {data.get('role')!r} message; "
+            "only an assistant message with tool_calls may leave it null.",
+            param=f"messages.[{index}].content",
+        )
     if isinstance(content, list):
         texts = []
         for part in content:
@@ -88,6 +103,10 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(engine, models, tokenizer, limits, sampling_defaults)
         self.trust_request_chat_template = trust_request_chat_template
         self.response_role = response_role
+        # Longer output could not fit the context anyway.
+        self.renderer = ChatTemplateRenderer(
+            tokenizer.hf, tokenizer.max_chars(limits.max_model_len),
+            float(envs.CHAT_TEMPLATE_TIMEOUT_S.get()))
         signature = inspect.signature(tokenizer.hf.apply_chat_template)
         self._reserved_kwargs = frozenset(
             name for name, p in signature.parameters.items()
@@ -122,34 +141,41 @@ class OpenAIServingChat(OpenAIServing):
         return template, kwargs
 
     async def render_prompt(
-        self, request: ChatCompletionRequest, check_length: bool = True
+        self, request: ChatCompletionRequest, room: int = 1
     ) -> tuple[str, list[int]]:
-        """Apply the chat template; the template itself adds any BOS token.
-
-        check_length: refuse a rendered prompt that certainly does not fit the
-        context before tokenizing it."""
+        """Apply the chat template; the template itself adds any BOS token. A
+        rendered prompt that certainly leaves fewer than `room` tokens of the
+        context free is refused before it is tokenized."""
         if not request.messages:
             raise bad_request("messages must not be empty.", param="messages")
         template, kwargs = self._template_and_kwargs(request)
         hf = self.tokenizer.hf
         if template is None and not getattr(hf, "chat_template", None):
             raise bad_request("This model has no chat template; use /v1/completions.")
-        messages = [_message_dict(m) for m in request.messages]
+        messages = [_message_dict(m, i) for i, m in enumerate(request.messages)]
+        # The server's template does work in proportion to its inputs; one from the
+        # request may do any amount.
+        size = math.inf if template is not None else \
+            len(json.dumps([messages, kwargs], ensure_ascii=False, default=str))
         try:
             prompt = await self.tokenizer.run(
-                hf.apply_chat_template,
+                size,
+                self.renderer.render,
                 messages,
                 chat_template=template,
-                tokenize=False,
                 add_generation_prompt=request.add_generation_prompt
                 and not request.continue_final_message,
                 continue_final_message=request.continue_final_message,
                 **kwargs,
             )
+        except TooLarge as exc:
+            if template is None:  # the server's own template: the messages are too long
+                raise too_many_characters(self.max_model_len, self.renderer.env.max_chars,
+                                          "messages") from exc
+            raise bad_request(f"Could not apply the chat template: {exc}", "messages") from exc
         except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
             raise bad_request(f"Could not apply the chat template: {exc}", "messages") from exc
-        if check_length:
-            self.check_prompt_text(prompt, param="messages")
+        self.check_prompt(prompt, param="messages", room=room)
         ids = await self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
         if not ids:
             raise bad_request("The rendered prompt is empty.", param="messages")
@@ -180,7 +206,7 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = min(max_tokens, self.sampling_defaults["max_new_tokens"])
         top_k = (request.top_logprobs or 0) if request.logprobs else None
         params = build_sampling_params(request, max_tokens, top_k, self.limits.vocab_size,
-                                       self.sampling_defaults)
+                                       self.sampling_defaults, logprobs_field="top_logprobs")
         if self.engine.is_dead:
             raise engine_unavailable()
         request_id = random_id("chatcmpl")

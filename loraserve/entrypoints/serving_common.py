@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -66,12 +66,49 @@ class OpenAIServing:
     def max_model_len(self) -> int:
         return self.limits.max_model_len
 
-    def check_prompt_text(self, text: str, param: str = "prompt") -> None:
-        """400 at once for a text that certainly has too many tokens, before anyone
-        spends the time and memory to tokenize it."""
-        at_least = self.tokenizer.min_tokens(text)
-        if at_least >= self.max_model_len:
-            raise context_length_exceeded(self.max_model_len, at_least, param, exact=False)
+    def check_prompt(self, prompt: str | Sequence[int], param: str = "prompt",
+                     room: int = 1) -> None:
+        check_prompt_size(self.tokenizer, self.max_model_len, prompt, param, room)
+
+
+def check_prompt_size(
+    tokenizer: RequestTokenizer,
+    max_model_len: int,
+    prompt: str | Sequence[int],
+    param: str,
+    room: int = 1,
+) -> None:
+    """400 at once for a prompt (a text, or token ids) that certainly has more than
+    `max_model_len - room` tokens, before anyone spends the time and memory to
+    tokenize or detokenize it. Every endpoint checks what it is given here.
+
+    room: the tokens the request must leave free to generate (none for /tokenize
+    and /detokenize, which only count and convert)."""
+    allowed = max_model_len - room
+    if not isinstance(prompt, str):
+        if len(prompt) > allowed:
+            raise context_length_exceeded(max_model_len, len(prompt), param)
+        return
+    at_least = tokenizer.min_tokens(prompt)
+    if at_least > allowed:
+        raise context_length_exceeded(max_model_len, at_least, param, exact=False)
+    most = tokenizer.max_chars(allowed)
+    if len(prompt) > most:
+        raise too_many_characters(max_model_len, most, param, len(prompt))
+
+
+def too_many_characters(
+    max_model_len: int, most: int, param: str, length: int | None = None
+) -> APIError:
+    """The 400 for a prompt longer than the `most` characters that the server
+    tokenizes for its context (length: the prompt's, where known)."""
+    has = "is longer than" if length is None else f"is {length} characters long, more than"
+    return bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, your "
+        f"prompt {has} the {most} characters this server tokenizes for that context. "
+        "Please reduce the length of the input.",
+        param=param,
+    )
 
 
 # Fields of vLLM's CompletionRequest and ChatCompletionRequest that loraserve does
@@ -228,11 +265,13 @@ def build_sampling_params(
     vocab_size: int,
     defaults: dict[str, Any] | None = None,
     prompt_logprobs: int | None = None,
+    logprobs_field: str = "logprobs",
 ) -> SamplingParams:
     """SamplingParams from an OpenAI request; invalid values become a 400.
 
     A field the request leaves unset takes the model's default (`defaults`), then
-    OpenAI's."""
+    OpenAI's. logprobs_field: the request field that `logprobs` came from (chat's
+    `top_logprobs`), which an error about it names."""
     defaults = defaults or {}
     check_token_ids(request.stop_token_ids or [], vocab_size, "stop_token_ids")
 
@@ -240,7 +279,9 @@ def build_sampling_params(
         value = getattr(request, name)
         return value if value is not None else defaults.get(name, fallback)
 
-    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+    for name, value in ((logprobs_field, logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and value < 0:
+            raise bad_request(f"{name} must be >= 0, got {value}.", param=name)
         if value is not None and value > MAX_LOGPROBS:
             raise bad_request(f"{name} must be at most {MAX_LOGPROBS}, got {value}.",
                               param=name)

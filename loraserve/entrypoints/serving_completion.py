@@ -25,7 +25,6 @@ from loraserve.entrypoints.serving_common import (
     check_token_ids,
     check_unsupported,
     chosen_and_top,
-    context_length_exceeded,
     final_request_outputs,
     finish_error,
     json_logprob,
@@ -59,12 +58,9 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         # Every prompt is checked before any is tokenized: a bad one fails fast.
         for item in items:
-            if isinstance(item, str):
-                self.check_prompt_text(item)
-            else:
+            self.check_prompt(item)
+            if not isinstance(item, str):
                 check_token_ids(item, self.limits.vocab_size, "prompt")
-                if len(item) >= self.max_model_len:
-                    raise context_length_exceeded(self.max_model_len, len(item), "prompt")
         prompts = []
         for item in items:
             if isinstance(item, str):

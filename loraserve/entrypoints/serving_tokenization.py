@@ -13,7 +13,11 @@ from loraserve.entrypoints.protocol import (
 )
 from loraserve.entrypoints.request_tokenizer import RequestTokenizer
 from loraserve.entrypoints.serving_chat import OpenAIServingChat
-from loraserve.entrypoints.serving_common import ModelLimits, check_token_ids
+from loraserve.entrypoints.serving_common import (
+    ModelLimits,
+    check_prompt_size,
+    check_token_ids,
+)
 from loraserve.entrypoints.serving_models import ServingModels
 
 
@@ -39,11 +43,12 @@ class OpenAIServingTokenization:
                 chat_template=request.chat_template,
                 chat_template_kwargs=request.chat_template_kwargs,
             )
-            # Counted whatever its length, as for a prompt.
-            _, ids = await self.chat.render_prompt(chat, check_length=False)
+            # Only counted: it may fill the whole context.
+            _, ids = await self.chat.render_prompt(chat, room=0)
         else:
             add_special = True if request.add_special_tokens is None else \
                 request.add_special_tokens
+            self._check(request.prompt, "prompt")
             ids = await self.tokenizer.encode(request.prompt, add_special_tokens=add_special)
         return TokenizeResponse(count=len(ids), max_model_len=self.limits.max_model_len,
                                 tokens=ids)
@@ -52,5 +57,10 @@ class OpenAIServingTokenization:
         await self.models.resolve(request.model)
         # Ids the model can produce, and ids of tokens added past its embedding.
         known = max(self.limits.vocab_size, len(self.tokenizer.hf))
+        self._check(request.tokens, "tokens")
         check_token_ids(request.tokens, known, "tokens")
         return DetokenizeResponse(prompt=await self.tokenizer.decode(request.tokens))
+
+    def _check(self, prompt: str | list[int], param: str) -> None:
+        # As every endpoint checks a prompt, with no room needed for an output.
+        check_prompt_size(self.tokenizer, self.limits.max_model_len, prompt, param, room=0)
