@@ -1,5 +1,6 @@
 """`loraserve serve-ray` as one command: it starts a Ray cluster of its own with the
-application on it and serves an adapter; and on SIGTERM it takes everything down
+application on it and serves an adapter; a client that drops a stream is quiet
+in the log, as under `loraserve serve`; and on SIGTERM it takes everything down
 within seconds (no deployment waits out a drain loop, nor the registry its own
 long polls) and exits with status 0."""
 
@@ -21,6 +22,7 @@ from serve_utils import alive, descendants, free_port, wait_until
 
 pytest.importorskip("ray.serve")
 
+DISCONNECTS = 12
 STOP_CEILING_S = 10.0
 # From "Removing 1 replica from" a deployment to its replica "is stopped".
 DEPLOYMENT_STOP_S = 1.5
@@ -85,6 +87,34 @@ def test_serve_ray_serves(serve_ray, llama_dir):
         "model": "r8", "prompt": "Hello", "max_tokens": 4, "temperature": 0.0})
     assert response.status_code == 200, response.text
     assert response.headers["x-loraserve-replica"].startswith("SERVE_REPLICA::")
+
+
+def test_a_client_that_drops_a_stream_is_quiet(serve_ray, llama_dir):
+    """Ray Serve reports the dropped client to the app as a cancelled fetch rather
+    than http.disconnect, in a race with cancelling the request: it must read as
+    a disconnect either way, and the request still leaves the engine."""
+    start = len(serve_ray.output())
+    for i in range(DISCONNECTS):
+        body = {"model": ("r8", llama_dir)[i % 2], "prompt": "Hello", "max_tokens": 400,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", serve_ray.url + "/v1/completions", json=body,
+                          timeout=60) as response:
+            assert response.status_code == 200
+            events = 0
+            for line in response.iter_lines():
+                events += line.startswith("data: ")
+                if events >= 1 + 5 * (i % 3):
+                    break  # closes the connection mid-stream
+
+    def engine_idle() -> bool:
+        stats = httpx.get(serve_ray.url + "/v1/engine_stats", timeout=10).json()["scheduler"]
+        return stats["num_running"] + stats["num_waiting"] == 0
+
+    assert wait_until(engine_idle, 30, 0.2)
+    time.sleep(2)  # what the actors print reaches the driver's log late
+    log = serve_ray.output()[start:]
+    for noise in ("unexpected error", "Traceback", "TaskCancelledError"):
+        assert noise not in log, log[-6000:]
 
 
 def test_sigterm_stops_everything_within_seconds(serve_ray):
