@@ -3,7 +3,8 @@ adapters loaded at run time (a clear 400; everything else keeps serving), an
 adapter whose read raises or blocks forever (others are served meanwhile), a
 client that goes away mid-stream (its request is aborted in the engine), the
 engine process killed (in-flight requests get a 503 in OpenAI's shape; the API
-server exits non-zero, or keeps answering 503 when told to), and SIGTERM under
+server exits non-zero, or keeps answering 503 when told to), a tensor-parallel
+rank killed (the same: the engine stops, never a 4xx), and SIGTERM under
 load (every request is answered in full or with an OpenAI-shaped 503, then the
 server exits 0 in bounded time and takes its engine along)."""
 
@@ -38,7 +39,7 @@ from fault_utils import (
     wait_engine_idle,
 )
 from safetensors.torch import load_file, save_file
-from serve_utils import alive, wait_until
+from serve_utils import alive, children, wait_until
 from utils import make_peft_adapter
 
 PROMPT = "The quick brown fox"
@@ -414,6 +415,69 @@ def test_engine_killed_answers_in_flight_with_503(llama_dir, llama_adapters, tmp
                 server.output()
         assert wait_until(server.all_gone, 5), server.output()
         assert not leftover_ipc_dirs(tmp_path), leftover_ipc_dirs(tmp_path)
+    finally:
+        server.kill()
+
+
+# ---- a tensor-parallel rank dies ---------------------------------------------------------
+
+
+def _tp_worker(engine_pid: int) -> int:
+    """Rank 1, spawned by the engine-core process (rank 0)."""
+    workers = [pid for pid in children(engine_pid)
+               if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(workers) == 1, workers
+    return workers[0]
+
+
+def _assert_no_internals(reply: Reply) -> None:
+    for leak in ("gloo", "pair.cc", "collective", "tensor-parallel", "Traceback"):
+        assert leak not in reply.text, reply.describe()
+
+
+@pytest.mark.parametrize("keep_alive", [False, True], ids=["under-load-exits", "idle-keep-alive"])
+def test_tensor_parallel_rank_killed_stops_the_engine(llama_dir, llama_adapters, tmp_path,
+                                                      keep_alive):
+    """kill -9 of rank 1 is the engine's death, not the requests' fault: under load
+    (a collective fails mid-step) every request in flight gets a 503 and the server
+    exits non-zero; while idle (only the process's exit tells) /health turns 503
+    and so does every request, with the keep-alive switch. Either way the log names
+    the rank, and no step is retried request by request."""
+    env = {"TMPDIR": str(tmp_path)}
+    if keep_alive:
+        env["LORASERVE_KEEP_ALIVE_ON_ENGINE_DEATH"] = "1"
+    server = start_server(
+        [llama_dir, "--served-model-name", "base", "--tensor-parallel-size", "2",
+         "--enable-lora", "--max-num-seqs", "8", "--lora-modules",
+         f"good={llama_adapters['r8']}"], env=env)
+    try:
+        worker = _tp_worker(server.engine_pid())
+        if keep_alive:
+            os.kill(worker, signal.SIGKILL)
+            assert wait_until(lambda: server.get("/health").status_code == 503, 10), \
+                server.output()
+            replies = [call(server.url, path, body, timeout=10)
+                       for path, body in _in_flight_bodies(("base", "good"))]
+            for reply in replies:
+                assert reply.status == 503, reply.describe()
+            assert server.proc.poll() is None, server.output()
+            server.proc.send_signal(signal.SIGTERM)
+        else:
+            bodies = _in_flight_bodies(("base", "good", "base"))
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                futures = _start_in_flight(server, pool, bodies)
+                os.kill(worker, signal.SIGKILL)
+                replies = _collect(futures)
+        for reply in replies:
+            assert outcome(reply, error_codes={503}) == "error", reply.describe()
+            _assert_no_internals(reply)
+        assert wait_until(lambda: server.proc.poll() is not None, EXIT_TIMEOUT_S), \
+            server.output()
+        assert server.proc.returncode == (0 if keep_alive else 1), server.output()
+        assert wait_until(server.all_gone, 5), server.output()
+        log = server.output()
+        assert f"tensor-parallel rank 1 (pid {worker}) died: killed by SIGKILL" in log, log
+        assert "retrying each alone" not in log and "fails on its own" not in log, log
     finally:
         server.kill()
 

@@ -1,9 +1,17 @@
 """Tensor parallelism on the CPU (gloo, 2 processes): greedy tokens equal one
 rank's and transformers+PEFT's (fp32) with mixed adapters, with and without
 fully sharded LoRA; seeded sampling is the same too; bad sizes are refused at
-start-up; `loraserve serve -tp 2` answers."""
+start-up; `loraserve serve -tp 2` answers; a rank 0 stuck after a rank died is
+ended by its watchdog, and a normal stop is not taken for a death. (A rank killed
+under a live server: test_faults.py.)"""
 
 from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from utils import ALL_TARGETS, hf_greedy, make_peft_adapter, make_tiny_model
@@ -115,6 +123,53 @@ def test_serve_with_two_ranks(llama_dir, tp_adapters, prompts):
     finally:
         server.stop()
     assert server.all_gone()
+
+
+# Rank 0 with one real worker process; its main thread sleeps where a collective
+# that never returns would hang (NCCL does not notice a dead peer).
+_WATCHED_RANK_0 = textwrap.dedent("""
+    import multiprocessing, sys, time
+    from loraserve.distributed.parallel_state import SINGLE
+    from loraserve.distributed.workers import WorkerGroup
+    from loraserve.engine import core_proc
+
+    if __name__ == "__main__":
+        core_proc._RANK_DEATH_GRACE_S = 0.5
+        stop = sys.argv[1] == "stop"
+        worker = multiprocessing.get_context("spawn").Process(
+            target=time.sleep, args=(1 if stop else 120,))
+        worker.start()
+        group = WorkerGroup(SINGLE, [worker])
+        core_proc.watch_workers(group)
+        print(worker.pid, flush=True)
+        if stop:
+            group.shutdown()
+        time.sleep(3 if stop else 120)
+        print("still here", flush=True)
+""")
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_watchdog_ends_rank_0_stuck_after_a_rank_died(tmp_path, how):
+    script = tmp_path / "rank0.py"
+    script.write_text(_WATCHED_RANK_0)
+    proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        worker = int(proc.stdout.readline())
+        if how == "kill":
+            os.kill(worker, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    if how == "kill":
+        assert proc.returncode == 1, (out, err)
+        assert "still here" not in out
+        assert f"tensor-parallel rank 1 (pid {worker}) died: killed by SIGKILL" in err, err
+    else:
+        # The worker left because it was told to: the process goes on.
+        assert proc.returncode == 0, (out, err)
+        assert "still here" in out and "died" not in err, (out, err)
 
 
 @pytest.mark.gpu

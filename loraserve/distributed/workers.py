@@ -6,19 +6,26 @@ own device (cuda:rank, or the CPU), then runs every step that rank 0 sends it:
 the step's inputs and the adapter slots written since the last step arrive as one
 small pickled message (``ModelRunner.share_step``), the step's tensors go through
 the device collectives inside the forward pass.
+
+A worker that dies takes the group with it: rank 0 finds out from a failed
+collective or from the process's exit, and either way raises TensorParallelError
+with the rank, its pid and how it ended.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
 from loraserve.config import EngineConfig
 from loraserve.distributed.parallel_state import (
     TensorParallel,
+    TensorParallelError,
     destroy_tensor_parallel,
     init_tensor_parallel,
 )
@@ -27,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 # How long shutdown waits for a worker to leave before it is killed.
 _JOIN_TIMEOUT_S = 30.0
+# A collective fails as soon as a peer's sockets close, a moment before the dead
+# process can be reaped: wait this long for it to name the rank.
+_REAP_WAIT_S = 1.0
 
 
 def rank_device(config: EngineConfig, rank: int):
@@ -35,6 +45,12 @@ def rank_device(config: EngineConfig, rank: int):
     if config.device.type == "cuda":
         return torch.device("cuda", rank)
     return config.device
+
+
+def _exit_status(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
 
 
 def _free_port() -> int:
@@ -49,15 +65,47 @@ class WorkerGroup:
 
     tp: TensorParallel
     processes: list
+    # Set once shutdown starts: from then on a worker's exit is expected.
+    stopping: bool = False
+
+    @property
+    def sentinels(self) -> list[int]:
+        """One handle per worker that becomes ready when it exits."""
+        return [proc.sentinel for proc in self.processes]
+
+    def dead_rank(self) -> str | None:
+        """Which worker is gone and how, or None while all of them run."""
+        for rank, proc in enumerate(self.processes, start=1):
+            if not proc.is_alive():
+                return f"tensor-parallel rank {rank} (pid {proc.pid}) died: " + (
+                    _exit_status(proc.exitcode))
+        return None
+
+    def check(self, cause: BaseException | None = None) -> None:
+        """Raise TensorParallelError if a worker has died, or if `cause` (what a
+        step raised) is a failed collective: the group cannot run another step."""
+        broken = isinstance(cause, TensorParallelError)
+        if broken:
+            wait(self.sentinels, _REAP_WAIT_S)
+        dead = self.dead_rank()
+        if dead is not None:
+            raise TensorParallelError(dead) from cause
+        if broken:
+            raise cause
 
     def shutdown(self) -> None:
-        """Tell the workers to stop (they are waiting for a step), then reap them."""
-        try:
-            self.tp.broadcast_object(None)
-        except Exception:  # noqa: BLE001 - a dead worker: kill the rest below
-            logger.warning("a tensor-parallel worker did not take the stop message")
+        """Tell the workers to stop (they are waiting for a step), then reap them.
+        With a rank dead the group carries no message: the rest are killed."""
+        self.stopping = True
+        clean = self.dead_rank() is None
+        if clean:
+            try:
+                self.tp.broadcast_object(None)
+            except TensorParallelError:
+                logger.warning("a tensor-parallel worker did not take the stop message")
+                clean = False
         for proc in self.processes:
-            proc.join(_JOIN_TIMEOUT_S)
+            proc.join(_JOIN_TIMEOUT_S if clean else 0)
             if proc.is_alive():
                 proc.kill()
                 proc.join()

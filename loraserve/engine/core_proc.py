@@ -3,7 +3,9 @@
 The API server binds both sockets and starts this process; here we connect, build
 the engine, say READY, then loop: take every queued request, abort and utility
 call, run one step when there is work, and push the step's outputs back. The
-process exits on SHUTDOWN, SIGTERM/SIGINT, or as soon as its parent is gone.
+process exits on SHUTDOWN, SIGTERM/SIGINT, or as soon as its parent is gone; and
+with status 1 when a tensor-parallel rank dies, so that the API server answers
+503 as for any dead engine.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 import zmq
 
+from loraserve.distributed.parallel_state import TensorParallelError
 from loraserve.engine.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -42,6 +46,7 @@ from loraserve.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     from loraserve.config import EngineConfig
+    from loraserve.distributed.workers import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +62,9 @@ _IDLE_POLL_MS = 100
 # a core at 100 %: wait this long for new input before the next step.
 _EMPTY_STEP_POLL_MS = 2
 _PR_SET_PDEATHSIG = 1
+# After a tensor-parallel rank died, the loop has this long to stop the engine
+# itself before the watchdog ends the process.
+_RANK_DEATH_GRACE_S = 5.0
 
 
 def _die_with_parent() -> None:
@@ -76,6 +84,24 @@ def _use_thread_locks_for_progress_bars() -> None:
     except ImportError:
         return
     tqdm.set_lock(threading.RLock())
+
+
+def watch_workers(workers: WorkerGroup | None) -> None:
+    """End the process once a tensor-parallel rank has died and the loop did not
+    stop the engine: rank 0 may wait in a collective that never returns (NCCL does
+    not notice a dead peer before its timeout)."""
+    if workers is None:
+        return
+
+    def watch() -> None:
+        wait(workers.sentinels)
+        time.sleep(_RANK_DEATH_GRACE_S)
+        if not workers.stopping:
+            logger.error("%s; the engine is stuck waiting for it, ending it",
+                         workers.dead_rank())
+            os._exit(1)
+
+    threading.Thread(target=watch, name="loraserve-tp-watchdog", daemon=True).start()
 
 
 class _PendingAdd(NamedTuple):
@@ -168,6 +194,8 @@ class EngineCoreProc:
                 self._drain_inputs()
             if self.stop or os.getppid() != self.parent_pid:
                 return
+            # A dead rank ends the engine even while no request runs.
+            self.core.check_workers()
             for result in self.lora_loader.finished():
                 self._send_utility_result(result)
             busy = self.core.has_unfinished_requests()
@@ -321,6 +349,7 @@ def run_engine_core(
         )
         out_sock.send_multipart(encode(OutputKind.READY, ready))
         proc = EngineCoreProc(core, in_sock, out_sock, parent_pid)
+        watch_workers(core.workers)
         try:
             proc.run()
         finally:
@@ -328,6 +357,10 @@ def run_engine_core(
             core.shutdown()
     except _Stop:
         pass
+    except TensorParallelError as exc:
+        # The reason, for the log; clients only learn that the engine is gone (503).
+        logger.error("%s; stopping the engine", exc)
+        exit_code = 1
     except Exception:  # noqa: BLE001 - a crash must still end the process cleanly
         traceback.print_exc()
         exit_code = 1

@@ -12,7 +12,9 @@ stop token has already been given one more step, whose token is dropped.
 A request can only fail alone: add_request refuses what a step could not run
 (token ids outside the vocabulary, an unloaded adapter), and an exception inside
 a step fails the requests it belongs to, found by running them one at a time,
-while the others keep their tokens and the loop goes on.
+while the others keep their tokens and the loop goes on. The one exception is a
+broken tensor-parallel group (a rank died, a collective failed): no request can
+run any more, so TensorParallelError leaves the engine (core_proc exits on it).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraserve.config import EngineConfig
-from loraserve.distributed.parallel_state import SINGLE
+from loraserve.distributed.parallel_state import SINGLE, TensorParallelError
 from loraserve.distributed.workers import WorkerGroup, start_workers
 from loraserve.engine.kv_blocks import KVBlockManager
 from loraserve.engine.protocol import (
@@ -155,6 +157,12 @@ class EngineCore:
     def has_step_in_flight(self) -> bool:
         return self._in_flight is not None
 
+    def check_workers(self, cause: Exception | None = None) -> None:
+        """Raise TensorParallelError if a tensor-parallel rank died, or `cause` is a
+        failed collective: that is the engine's failure, never a request's."""
+        if self.workers is not None:
+            self.workers.check(cause)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending) or self.has_step_in_flight
 
@@ -214,6 +222,8 @@ class EngineCore:
         self._pending = []
         try:
             self._step(outputs)
+        except TensorParallelError:
+            raise
         except Exception as exc:  # noqa: BLE001 - the loop must outlive any bug
             # Outside any one request's work (scheduling, adapter bookkeeping): no
             # culprit to single out, so every request is answered with the error
@@ -269,7 +279,8 @@ class EngineCore:
         back at once, so that only those that fail on their own are failed."""
         try:
             return self._launch(scheduled)
-        except Exception:  # noqa: BLE001 - isolated below
+        except Exception as exc:  # noqa: BLE001 - isolated below
+            self.check_workers(exc)
             logger.exception("a step of %d requests failed; retrying each alone",
                              len(scheduled))
         # A retried request must find its last token on the host, not in flight.
@@ -281,6 +292,7 @@ class EngineCore:
             try:
                 launched = self._launch([(req, n)])
             except Exception as exc:  # noqa: BLE001 - this request's own failure
+                self.check_workers(exc)
                 logger.warning("request %s fails on its own: %s: %s", req.request_id,
                                type(exc).__name__, exc)
                 outputs += self._fail([req], _step_error(exc))
@@ -339,6 +351,7 @@ class EngineCore:
             prompt_lps = (launched.prompt_batch.to_host()
                           if launched.prompt_batch is not None else [])
         except Exception as exc:  # noqa: BLE001 - the step's tokens are lost, not the engine
+            self.check_workers(exc)
             logger.exception("reading back a step of %d requests failed",
                              len(launched.requests))
             for req in launched.requests:

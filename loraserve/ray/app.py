@@ -38,6 +38,10 @@ APP_NAME = "loraserve"
 MIN_ONGOING_REQUESTS = 64
 # The ingress and the registry only wait on others.
 WAITING_ONGOING_REQUESTS = 10_000
+# How often a stopping replica checks whether its requests have finished; Ray
+# Serve's 2 s makes every deployment (one after the other) take 2 s to stop, idle
+# or not.
+SHUTDOWN_WAIT_LOOP_S = 0.1
 
 
 @dataclass
@@ -73,6 +77,10 @@ def build_application(settings: ServerSettings, tokenizer: Any,
         max_ongoing_requests=WAITING_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
         # The replicas poll it and report to it every few seconds: no line per call.
         logging_config={"enable_access_log": False},
+        # Its requests in flight are long polls (watch, wait_applied) waiting for a
+        # change that no one will make once the application stops: draining would
+        # only wait them out. Its state is in memory, lost on a stop either way.
+        graceful_shutdown_timeout_s=0, graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
     ).bind([lora for lora, _ in static])
 
     config = settings.engine_config
@@ -93,6 +101,7 @@ def build_application(settings: ServerSettings, tokenizer: Any,
         max_ongoing_requests=max(MIN_ONGOING_REQUESTS, config.scheduler_config.max_num_seqs),
         ray_actor_options={"num_cpus": options.replica_num_cpus, "num_gpus": num_gpus},
         graceful_shutdown_timeout_s=settings.shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
         health_check_period_s=5,
         **scaling,
     ).bind(settings, tokenizer, registry, static)
@@ -101,6 +110,7 @@ def build_application(settings: ServerSettings, tokenizer: Any,
         serve.ingress(ReplicaApp())(Ingress), name="Ingress",
         max_ongoing_requests=WAITING_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=settings.shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
     )
     pinned = [lora.lora_name for lora, is_pinned in static if is_pinned]
     return ingress.bind(settings, replicas, registry, pinned,

@@ -62,7 +62,17 @@ class ReplicaApp:
     app: Any = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await type(self).app(scope, receive, send)
+        async def receive_until_disconnect() -> dict:
+            # Ray Serve fetches the request's messages from its proxy; once the
+            # client has gone the proxy cancels that fetch, and Ray raises the
+            # cancellation (TaskCancelledError) instead of saying http.disconnect
+            # as uvicorn does. It is the same event: let the app see it as one.
+            try:
+                return await receive()
+            except RayError:
+                return {"type": "http.disconnect"}
+
+        await type(self).app(scope, receive_until_disconnect, send)
 
 
 class Ingress:
