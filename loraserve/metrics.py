@@ -27,7 +27,8 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from loraserve.engine.protocol import LORA_LOAD_TIME_BUCKETS_S, SchedulerStats
+from loraserve.engine.protocol import SchedulerStats
+from loraserve.lora.load_times import LORA_LOAD_TIME_BUCKETS_S
 
 PREFIX = "loraserve:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -195,7 +195,7 @@ def test_a_fault_outside_any_request_fails_all_and_the_engine_goes_on(
 def _resident(engine, name: str) -> bool:
     manager = engine.loras
     return (name in manager.cpu_names() or name in manager.slot_names()
-            or name in engine.lora_memory_usage() or name in manager._loading)
+            or name in engine.lora_memory_usage() or name in manager.store._loading)
 
 
 def test_a_request_for_an_unloaded_adapter_is_refused_and_loads_nothing(
@@ -237,7 +237,7 @@ def test_requests_waiting_on_a_load_fail_when_it_is_unloaded(llm, llama_adapters
     lora = LoRARequest("waits", 61, llama_adapters["r16_qv"])
     engine.add_request(_request("w0", prompts[0], lora=lora))  # starts a background load
     engine.add_request(_request("w1", prompts[1], lora=lora))
-    (future,) = [f for name, (_, f) in engine.loras._loading.items() if name == "waits"]
+    (future,) = [f for name, (_, f) in engine.loras.store._loading.items() if name == "waits"]
     engine.remove_lora("waits")
     # Let the disk read finish (unless it was cancelled in time): its result is dropped.
     concurrent.futures.wait([future], timeout=60)
@@ -256,7 +256,7 @@ def test_a_load_that_finishes_for_an_unloaded_adapter_is_dropped(llm, llama_adap
     manager.add(lora)
     manager.remove("stale")
     manager.start_background_load(lora)
-    (_, future) = manager._loading["stale"]
+    (_, future) = manager.store._loading["stale"]
     concurrent.futures.wait([future], timeout=60)
     assert manager.poll_loads() == []
     assert not _resident(llm.engine, "stale")

@@ -81,7 +81,7 @@ def test_unload_frees_cpu_tensors_and_zeroes_the_slot(engine_llm, llama_adapters
     manager = engine_llm.engine.loras
     lora = LoRARequest("r8", 1, llama_adapters["r8"])
     _use(engine_llm, lora, prompts[0])
-    slot = manager.slots.peek("r8")
+    slot = manager.slots.slot_of("r8")
     wrapper = manager.wrappers["model.layers.0.self_attn.qkv_proj"]
     assert wrapper.lora_a[0][slot].abs().sum() > 0
     assert engine_llm.remove_lora("r8")
@@ -96,7 +96,7 @@ def test_untargeted_module_slot_is_zeroed(engine_llm, llama_adapters, prompts):
     manager = engine_llm.engine.loras
     for i, n in enumerate(["r8", "r1", "r16_qv"]):
         _use(engine_llm, LoRARequest(n, i + 1, llama_adapters[n]), prompts[0])
-    slot = manager.slots.peek("r16_qv")
+    slot = manager.slots.slot_of("r16_qv")
     for path, wrapper in manager.wrappers.items():
         if path.endswith(("gate_up_proj", "down_proj", "o_proj")):
             assert all(a[slot].abs().sum() == 0 for a in wrapper.lora_a), path

@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_utils import ServerProcess, wait_until
 
 from loraserve import LLM, LoRARequest, SamplingParams
-from loraserve.engine.protocol import LORA_LOAD_TIME_BUCKETS_S, lora_load_time_bucket
 from loraserve.lora.errors import LoRAError
+from loraserve.lora.load_times import LORA_LOAD_TIME_BUCKETS_S, lora_load_time_bucket
 
 NO_LOADS = [0] * (len(LORA_LOAD_TIME_BUCKETS_S) + 1)
 

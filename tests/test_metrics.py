@@ -9,11 +9,8 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraserve.engine.protocol import (
-    LORA_LOAD_TIME_BUCKETS_S,
-    SchedulerStats,
-    lora_load_time_bucket,
-)
+from loraserve.engine.protocol import SchedulerStats
+from loraserve.lora.load_times import LORA_LOAD_TIME_BUCKETS_S, lora_load_time_bucket
 from loraserve.metrics import ServerMetrics
 
 

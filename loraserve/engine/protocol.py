@@ -5,7 +5,6 @@ All are msgspec structs so that they cross the ZMQ sockets unchanged.
 
 from __future__ import annotations
 
-import bisect
 import enum
 import time
 
@@ -59,17 +58,6 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True):
 # Upper bounds (seconds) of the buckets of adapter load times, from the start of the
 # disk read to the adapter being usable in the CPU cache. A small adapter on a local
 # disk loads in tens of milliseconds; a large one from a network share takes seconds.
-LORA_LOAD_TIME_BUCKETS_S: tuple[float, ...] = (
-    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
-)  # fmt: skip
-
-
-def lora_load_time_bucket(seconds: float) -> int:
-    """The index in SchedulerStats.lora_load_time_counts that a load time falls in:
-    the first bucket whose bound it does not exceed, or the last (unbounded) one."""
-    return bisect.bisect_left(LORA_LOAD_TIME_BUCKETS_S, seconds)
-
-
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_running: int = 0
     num_waiting: int = 0
@@ -83,7 +71,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     pinned_lora_adapters: list[str] = msgspec.field(default_factory=list)
     num_preemptions: int = 0
     # Every adapter load since the engine started, per bucket of
-    # LORA_LOAD_TIME_BUCKETS_S plus one for longer loads, and their total time. Totals
+    # loraserve.lora.load_times' buckets plus one for longer loads, and their total time. Totals
     # rather than the loads since the last message: get_stats also answers utility
     # calls, and a total stays right however many messages carry it.
     lora_load_time_counts: list[int] = msgspec.field(default_factory=list)

@@ -4,6 +4,10 @@ down, the lm_head) and for the token embedding.
 Each wrapper keeps the base layer and, per output slice, a stack of A and B
 matrices with one entry per device slot, sized for max_lora_rank. A slot holds
 one adapter; a rank below the slot width is zero-padded.
+
+Every wrapper class says which layers it can replace (``can_replace_layer``),
+builds itself from one (``from_layer``) and records what adapters may target in
+it (``describe``); loraserve.lora.wrapping walks the model with them.
 """
 
 from __future__ import annotations
@@ -11,9 +15,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loraserve.lora.peft_adapter import ModuleLoRA
+from loraserve.lora.peft_adapter import ModelLoRAInfo, ModuleLoRA
 from loraserve.lora.punica import PunicaWrapper
-from loraserve.lora.slot_stacks import write_slot
+from loraserve.lora.slot_stacks import SlotSpec, write_slot
+from loraserve.model.linear import ColumnParallelLinear, RowParallelLinear
+
+
+def targets(model: nn.Module, path: str) -> bool:
+    """Whether the layer at `path` is one of the model's LoRA projections."""
+    return path.rsplit(".", 1)[-1] in model.lora_modules
 
 
 class LinearWithLoRA(nn.Module):
@@ -41,6 +51,27 @@ class LinearWithLoRA(nn.Module):
         ]
         # A shared object, not a global: the model runner updates its mapping each step.
         self.punica = punica
+
+    @classmethod
+    def can_replace_layer(cls, layer: nn.Module, path: str, model: nn.Module) -> bool:
+        return (isinstance(layer, nn.Linear) and targets(model, path)
+                and not isinstance(layer, ColumnParallelLinear | RowParallelLinear))
+
+    @classmethod
+    def from_layer(cls, layer: nn.Linear, path: str, model: nn.Module,
+                   spec: SlotSpec) -> LinearWithLoRA:
+        # The lm_head's LoRA maps the rows whose logits are computed, not the tokens.
+        punica = spec.logits_punica if path == "lm_head" and spec.logits_punica else spec.punica
+        return cls(layer, model.slice_sizes(path.rsplit(".", 1)[-1]), spec.num_slots,
+                   spec.max_rank, spec.dtype, punica)
+
+    def describe(self, path: str, model: nn.Module, info: ModelLoRAInfo) -> None:
+        """Record the shapes adapters hold for this layer (the whole model's)."""
+        leaf = path.rsplit(".", 1)[-1]
+        info.add_module(path, model.lora_modules[leaf], self.base_layer.in_features,
+                        self.slice_sizes)
+        if path == "lm_head":
+            info.base_weights[path] = self.base_layer.weight
 
     def set_slot(self, slot: int, weights: ModuleLoRA | None) -> None:
         """Copy one adapter's weights into a slot; None (module not targeted) zeroes it."""
@@ -93,6 +124,22 @@ class EmbeddingWithLoRA(nn.Module):
         self.lora_a_t = torch.zeros(num_slots, vocab, max_rank, dtype=dtype, device=device)
         self.lora_b = torch.zeros(num_slots, hidden, max_rank, dtype=dtype, device=device)
         self.punica = punica
+
+    @classmethod
+    def can_replace_layer(cls, layer: nn.Module, path: str, model: nn.Module) -> bool:
+        return isinstance(layer, nn.Embedding) and targets(model, path)
+
+    @classmethod
+    def from_layer(cls, layer: nn.Embedding, path: str, model: nn.Module,
+                   spec: SlotSpec) -> EmbeddingWithLoRA:
+        return cls(layer, spec.num_slots, spec.max_rank, spec.dtype, spec.punica)
+
+    def describe(self, path: str, model: nn.Module, info: ModelLoRAInfo) -> None:
+        leaf = path.rsplit(".", 1)[-1]
+        info.add_module(path, model.lora_modules[leaf], self.base_layer.num_embeddings,
+                        model.slice_sizes(leaf))
+        info.embeddings.add(path)
+        info.base_weights[path] = self.base_layer.weight
 
     def set_slot(self, slot: int, weights: ModuleLoRA | None) -> None:
         self.lora_a_t[slot].zero_()

@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraserve.lora.errors import LoRAError
-from loraserve.lora.moe_layers import ExpertsModuleLoRA
+from loraserve.lora.errors import LoRAError, rank_too_large
 
 if TYPE_CHECKING:  # peft_adapter imports this module
     from loraserve.lora.peft_adapter import PeftConfig
@@ -38,6 +37,20 @@ if TYPE_CHECKING:  # peft_adapter imports this module
 _FUSED_RE = re.compile(r"^(?P<experts>.+\.experts)(?:\.base_layer)*$")
 _PER_EXPERT_RE = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
 _PARAMS = ("gate_up_proj", "down_proj")
+
+
+@dataclass
+class ExpertsModuleLoRA:
+    """One adapter's weights for one experts layer, per projection (gate_up, down):
+    A [E, r, K] and scaled B [E, N, r], or None where the adapter leaves the
+    projection out."""
+
+    lora_a: list[torch.Tensor | None]
+    lora_b: list[torch.Tensor | None]
+
+    @property
+    def rank(self) -> int:
+        return max((a.shape[1] for a in self.lora_a if a is not None), default=0)
 
 
 @dataclass(frozen=True)
@@ -200,11 +213,7 @@ def _merge_per_expert(lora_name, pieces, info: ExpertsInfo, max_lora_rank: int):
 
 def _check_rank(lora_name: str, rank: int, max_lora_rank: int) -> None:
     if rank > max_lora_rank:
-        from loraserve.lora.peft_adapter import _next_rank
-
-        raise LoRAError(
-            lora_name, f"LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}; start "
-            f"the server with --max-lora-rank {_next_rank(rank)} or more")
+        raise rank_too_large(lora_name, rank, max_lora_rank)
 
 
 def _cast(lora_name: str, path: str, tensor: torch.Tensor | None, dtype: torch.dtype):

@@ -9,29 +9,19 @@ the experts op gets every token's slot from the shared punica wrapper.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from loraserve.lora.moe_adapter import ExpertsInfo, ExpertsModuleLoRA
 from loraserve.lora.punica import PunicaWrapper
-from loraserve.lora.slot_stacks import write_slot
+from loraserve.lora.slot_stacks import SlotSpec, write_slot
 from loraserve.model.moe import Experts
 from loraserve.model.moe_ops import ExpertsLoRA
 
-
-@dataclass
-class ExpertsModuleLoRA:
-    """One adapter's weights for one experts layer, per projection (gate_up, down):
-    A [E, r, K] and scaled B [E, N, r], or None where the adapter leaves the
-    projection out."""
-
-    lora_a: list[torch.Tensor | None]
-    lora_b: list[torch.Tensor | None]
-
-    @property
-    def rank(self) -> int:
-        return max((a.shape[1] for a in self.lora_a if a is not None), default=0)
+if TYPE_CHECKING:
+    from loraserve.lora.peft_adapter import ModelLoRAInfo
 
 
 class ExpertsWithLoRA(nn.Module):
@@ -55,6 +45,23 @@ class ExpertsWithLoRA(nn.Module):
         self.lora_a = [stack(max_rank, hidden), stack(max_rank, inter)]
         self.lora_b = [stack(2 * inter, max_rank), stack(hidden, max_rank)]
         self.punica = punica
+
+    @classmethod
+    def can_replace_layer(cls, layer: nn.Module, path: str, model: nn.Module) -> bool:
+        # The experts take LoRA on their projections whatever the layer is called;
+        # the router takes none.
+        return isinstance(layer, Experts)
+
+    @classmethod
+    def from_layer(cls, layer: Experts, path: str, model: nn.Module,
+                   spec: SlotSpec) -> ExpertsWithLoRA:
+        return cls(layer, spec.num_slots, spec.max_rank, spec.dtype, spec.punica)
+
+    def describe(self, path: str, model: nn.Module, info: ModelLoRAInfo) -> None:
+        base = self.base_layer
+        info.experts[path] = ExpertsInfo(base.num_experts, base.hidden_size,
+                                         base.intermediate_size, model.expert_projections)
+        info.projection_names.update(model.expert_projections)
 
     def set_slot(self, slot: int, weights: ExpertsModuleLoRA | None) -> None:
         """Copy one adapter's expert weights into a slot; None zeroes it."""

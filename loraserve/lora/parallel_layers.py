@@ -25,8 +25,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loraserve.lora.layers import LinearWithLoRA
+from loraserve.lora.layers import LinearWithLoRA, targets
+from loraserve.lora.peft_adapter import ModelLoRAInfo
 from loraserve.lora.punica import PunicaWrapper
+from loraserve.lora.slot_stacks import SlotSpec
 from loraserve.model.linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -55,6 +57,27 @@ class _ParallelLinearWithLoRA(LinearWithLoRA):
         self.tp = base.tp
         self.max_rank = max_rank
 
+    # The base layer class this wrapper shards alike.
+    base_class: type[nn.Linear]
+
+    @classmethod
+    def can_replace_layer(cls, layer: nn.Module, path: str, model: nn.Module) -> bool:
+        return isinstance(layer, cls.base_class) and targets(model, path)
+
+    @classmethod
+    def from_layer(cls, layer: nn.Linear, path: str, model: nn.Module,
+                   spec: SlotSpec) -> _ParallelLinearWithLoRA:
+        return cls(layer, model.slice_sizes(path.rsplit(".", 1)[-1]), spec.num_slots,
+                   spec.max_rank, spec.dtype, spec.punica, spec.fully_sharded)
+
+    def describe(self, path: str, model: nn.Module, info: ModelLoRAInfo) -> None:
+        # Adapters hold the whole model's shapes; each rank keeps its shard.
+        leaf = path.rsplit(".", 1)[-1]
+        base = self.base_layer
+        info.add_module(path, model.lora_modules[leaf],
+                        getattr(base, "full_in_features", base.in_features),
+                        model.full_slice_sizes(leaf))
+
     def _zeros(self, *shape: int) -> torch.Tensor:
         a = self.lora_a[0]
         return torch.zeros(*shape, dtype=a.dtype, device=a.device)
@@ -72,6 +95,8 @@ class _ParallelLinearWithLoRA(LinearWithLoRA):
 
 
 class ColumnParallelLinearWithLoRA(_ParallelLinearWithLoRA):
+    base_class = ColumnParallelLinear
+
     def __init__(self, base: ColumnParallelLinear, slice_sizes: list[int], num_slots: int,
                  max_rank: int, dtype: torch.dtype, punica: PunicaWrapper,
                  fully_sharded: bool) -> None:
@@ -121,6 +146,8 @@ class ColumnParallelLinearWithLoRA(_ParallelLinearWithLoRA):
 
 
 class RowParallelLinearWithLoRA(_ParallelLinearWithLoRA):
+    base_class = RowParallelLinear
+
     def __init__(self, base: RowParallelLinear, slice_sizes: list[int], num_slots: int,
                  max_rank: int, dtype: torch.dtype, punica: PunicaWrapper,
                  fully_sharded: bool) -> None:

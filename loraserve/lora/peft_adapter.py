@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from loraserve.lora.errors import LoRAError, LoRANotFoundError
+from loraserve.lora.errors import LoRAError, LoRANotFoundError, rank_too_large
 from loraserve.lora.moe_adapter import ExpertsInfo, experts_path_of, load_expert_loras
 from loraserve.lora.request import LoRARequest
 
@@ -114,6 +114,15 @@ class ModelLoRAInfo:
     # (embedding, lm_head) source paths of a model whose lm_head reuses the
     # embedding matrix; None when they are separate.
     tied: tuple[str, str] | None = None
+
+    def add_module(self, path: str, sources: tuple[str, ...] | list[str], in_features: int,
+                   slice_sizes: list[int]) -> None:
+        """A wrapped module adapters may target: its slices' checkpoint names, and
+        the whole model's input and output widths (the shapes adapters hold)."""
+        self.modules[path] = (tuple(sources), in_features, list(slice_sizes))
+        parent = path.rpartition(".")[0]
+        for i, source in enumerate(sources):
+            self.by_source[f"{parent}.{source}" if parent else source] = (path, i)
 
 
 def resolve_adapter_path(lora_request: LoRARequest) -> str:
@@ -274,10 +283,7 @@ def load_lora_model(
             raise LoRAError(name, f"module {source!r}: LoRA tensors must be 2-D")
         rank = a.shape[0]
         if rank > max_lora_rank:
-            raise LoRAError(
-                name, f"LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}; start "
-                f"the server with --max-lora-rank {_next_rank(rank)} or more",
-            )
+            raise rank_too_large(name, rank, max_lora_rank)
         if a.shape[1] != in_features or b.shape != (out_sizes[slice_idx], rank):
             raise LoRAError(
                 name, f"module {source!r}: lora_A has shape {tuple(a.shape)} and lora_B "
@@ -407,11 +413,7 @@ def _check_config_rank(name: str, config: PeftConfig, max_lora_rank: int) -> Non
         ranks[f"rank_pattern[{pattern!r}]"] = rank
     for field_name, rank in ranks.items():
         if rank > max_lora_rank:
-            raise LoRAError(
-                name, f"LoRA rank {rank} is greater than max_lora_rank {max_lora_rank} "
-                f"({field_name} in {CONFIG_FILE}); start the server with --max-lora-rank "
-                f"{_next_rank(rank)} or more",
-            )
+            raise rank_too_large(name, rank, max_lora_rank, f"{field_name} in {CONFIG_FILE}")
 
 
 def _check_target_modules(name: str, config: PeftConfig, info: ModelLoRAInfo) -> None:
@@ -425,9 +427,3 @@ def _check_target_modules(name: str, config: PeftConfig, info: ModelLoRAInfo) ->
             name, f"target modules {missing} do not exist in the model or do not take LoRA "
             f"(supported: {', '.join(sorted(info.projection_names))})"
         )
-
-
-def _next_rank(rank: int) -> int:
-    from loraserve.config import SUPPORTED_LORA_RANKS
-
-    return next((r for r in SUPPORTED_LORA_RANKS if r >= rank), rank)

@@ -1,8 +1,29 @@
-"""Copying an adapter into the per-slot weight stacks of a LoRA wrapper."""
+"""The per-slot weight stacks of the LoRA wrappers: what they are sized by, and
+copying an adapter into one slot."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from loraserve.lora.punica import PunicaWrapper
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """What every wrapper of one model shares: slot count and width, the adapters'
+    dtype, the punica wrappers that map the step's tokens (and the lm_head's rows,
+    ``logits_punica``) to slots, and the tensor-parallel layout."""
+
+    num_slots: int
+    max_rank: int
+    dtype: torch.dtype
+    punica: PunicaWrapper
+    logits_punica: PunicaWrapper | None = None
+    fully_sharded: bool = False
 
 
 def write_slot(a_stacks: list[torch.Tensor], b_stacks: list[torch.Tensor], slot: int,

@@ -109,7 +109,7 @@ class ModelRunner:
                                      logits_punica=self.logits_punica)
             if tp.world_size > 1 and tp.is_driver:
                 # The slots rank 0 writes, for the other ranks to write the same.
-                self.loras.slot_log = []
+                self.loras.slots.slot_log = []
 
         hf = mc.hf_config
         self.num_layers = hf.num_hidden_layers
@@ -299,7 +299,7 @@ class ModelRunner:
 
     def share_step(self, inputs: PreparedInputs) -> None:
         """Rank 0: send the step and the adapter slots written since the last one."""
-        log = self.loras.slot_log if self.loras is not None else None
+        log = self.loras.slots.slot_log if self.loras is not None else None
         writes = list(log) if log else []
         if log:
             log.clear()
