@@ -19,7 +19,7 @@ from serve_utils import ServerProcess
 
 from loraserve import LLM, LoRARequest, SamplingParams
 from loraserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
-from loraserve.engine.torch_threads import MAX_AUTO_THREADS, pick_num_threads
+from loraserve.worker.process import MAX_AUTO_THREADS, pick_num_threads
 from loraserve.worker.sampler import SampledBatch
 
 MAX_TOKENS = 6

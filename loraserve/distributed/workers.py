@@ -133,11 +133,10 @@ def start_workers(config: EngineConfig) -> WorkerGroup:
 
 
 def _worker_main(config: EngineConfig, rank: int, init_method: str) -> None:
-    from loraserve.engine.core_proc import _die_with_parent
-    from loraserve.engine.torch_threads import configure_torch_threads
     from loraserve.worker.model_runner import ModelRunner
+    from loraserve.worker.process import configure_torch_threads, die_with_parent
 
-    _die_with_parent()
+    die_with_parent()
     configure_torch_threads(share_with_frontend=False)
     world = config.parallel_config.tensor_parallel_size
     tp = init_tensor_parallel(rank, world, init_method, rank_device(config, rank))

@@ -10,7 +10,6 @@ with status 1 when a tensor-parallel rank dies, so that the API server answers
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -61,19 +60,9 @@ _IDLE_POLL_MS = 100
 # A step that produced nothing (requests waiting on an adapter load) should not spin
 # a core at 100 %: wait this long for new input before the next step.
 _EMPTY_STEP_POLL_MS = 2
-_PR_SET_PDEATHSIG = 1
 # After a tensor-parallel rank died, the loop has this long to stop the engine
 # itself before the watchdog ends the process.
 _RANK_DEATH_GRACE_S = 5.0
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM us when the parent dies, so no engine is orphaned."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-    except (OSError, AttributeError):
-        pass  # not Linux: the parent-pid check in the loop still catches it
 
 
 def _use_thread_locks_for_progress_bars() -> None:
@@ -305,11 +294,11 @@ def run_engine_core(
     config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int
 ) -> None:
     """Process entry point (multiprocessing target)."""
-    _die_with_parent()
-    _use_thread_locks_for_progress_bars()
     # Here, not at import: the API server imports this module and needs no torch.
-    from loraserve.engine.torch_threads import configure_torch_threads
+    from loraserve.worker.process import configure_torch_threads, die_with_parent
 
+    die_with_parent()
+    _use_thread_locks_for_progress_bars()
     # Before any torch work: the inter-op pool can only be sized before it starts.
     configure_torch_threads(share_with_frontend=True)
 

@@ -12,9 +12,9 @@ from loraserve.config import EngineConfig
 from loraserve.engine.engine_core import EngineCore
 from loraserve.engine.output_processor import OutputProcessor, RequestOutput
 from loraserve.engine.tokenizer import eos_token_id, load_tokenizer
-from loraserve.engine.torch_threads import configure_torch_threads
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams
+from loraserve.worker.process import configure_torch_threads
 
 PromptType = str | dict[str, Any]
 

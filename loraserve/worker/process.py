@@ -1,4 +1,6 @@
-"""How many CPU threads torch may use in the engine.
+"""Setting up a process that runs a model runner (the engine core, each
+tensor-parallel rank): it dies with its parent, and how many CPU threads torch
+may use in it.
 
 Left alone, torch starts one intra-op thread per core of the machine, whatever
 share of it the process may run on, and the API server's own threads (HTTP,
@@ -11,8 +13,10 @@ mostly wait on each other. OMP_NUM_THREADS, when set, wins.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 from collections.abc import Mapping
 
 import torch
@@ -20,6 +24,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_NUM_THREADS = "OMP_NUM_THREADS"
+_PR_SET_PDEATHSIG = 1
 # Intra-op parallelism of a serving step (one decode token per sequence, or a
 # prefill chunk) stops paying off well before this many threads.
 MAX_AUTO_THREADS = 32
@@ -71,3 +76,13 @@ def configure_torch_threads(share_with_frontend: bool) -> int:
         pass  # only possible before the first parallel op; too late in this process
     logger.info("torch uses %d CPU threads", num)
     return num
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies, so no engine or rank
+    is orphaned."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    except (OSError, AttributeError):
+        pass  # not Linux: the engine loop's parent-pid check still catches it
