@@ -127,7 +127,7 @@ if has profile || has decode32 || has timeline || has offprof || has offline || 
   stamp setup
   # The offline runs repeat their prompts, so they turn the prefix cache off (it would
   # serve the repeats); serve.py gives every phase prompts of its own.
-  python3 benchmarks/make_bench_setup.py --out /tmp/bench --num-adapters "${NUM_ADAPTERS:-32}" \
+  python3 -m benchmarks.make_bench_setup --out /tmp/bench --num-adapters "${NUM_ADAPTERS:-32}" \
       --rank 16 > "$OUT/setup.log" 2>&1
 fi
 
