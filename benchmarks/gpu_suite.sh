@@ -41,10 +41,10 @@
 #   firstuse  the Triton compiles on requests' paths after start-up, LoRA engine as served
 #             (profile/first_use.py)
 #   serve     one LoRA server (32 adapters, --max-loras 32) under continuous load from
-#             serve.py: alternating base and LoRA phases at concurrency 4 (ITL at low
-#             load), 16 and 64 and at a Poisson rate (RATE, default 16/s); input
-#             128-1024, output 64-256 tokens (SERVE_BENCHES picks some by name,
-#             SERVER_ARGS adds server flags); once per mode of GRAPH_MODES
+#             serve/, the load generator: alternating base and LoRA phases at
+#             concurrency 4 (ITL at low load), 16 and 64 and at a Poisson rate (RATE,
+#             default 16/s); input 128-1024, output 64-256 tokens (SERVE_BENCHES picks
+#             some by name, SERVER_ARGS adds server flags); once per mode of GRAPH_MODES
 #   steps     base against LoRA per kind of step: host, wall and GPU kernel time of decode
 #             steps and of decode plus a prefill chunk (profile/steps.py; STEPS_ARGS);
 #             once per mode of GRAPH_MODES
@@ -126,7 +126,7 @@ fi
 if has profile || has decode32 || has timeline || has offprof || has offline || has startup || has firstuse || has serve || has steps || has tp; then
   stamp setup
   # The offline runs repeat their prompts, so they turn the prefix cache off (it would
-  # serve the repeats); serve.py gives every phase prompts of its own.
+  # serve the repeats); benchmarks.serve gives every phase prompts of its own.
   python3 -m benchmarks.make_bench_setup --out /tmp/bench --num-adapters "${NUM_ADAPTERS:-32}" \
       --rank 16 > "$OUT/setup.log" 2>&1
 fi
@@ -229,11 +229,11 @@ if has serve; then
     for _ in $(seq 300); do
       curl -sf http://127.0.0.1:8011/v1/models > /dev/null && break; sleep 1
     done
-    bench() {  # name, then serve.py arguments; SERVE_BENCHES picks some of the names
+    bench() {  # name, then benchmarks.serve's arguments; SERVE_BENCHES picks some of the names
       local name=$1; shift
       [ -n "${SERVE_BENCHES:-}" ] && [[ " $SERVE_BENCHES " != *" $name "* ]] && return
       stamp "serve $mode $name"
-      timeout "${SERVE_TIMEOUT:-240}" python3 benchmarks/serve.py http://127.0.0.1:8011 \
+      timeout "${SERVE_TIMEOUT:-240}" python3 -m benchmarks.serve http://127.0.0.1:8011 \
           --phases "${PHASES:-base,lora,base,lora}" --num-clients 4 \
           --json "$OUT/serve_${name}_$mode.json" "$@" > "$OUT/serve_${name}_$mode.log" 2>&1
       echo "rc=$?" >> "$OUT/serve_${name}_$mode.log"
