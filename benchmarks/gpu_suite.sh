@@ -12,7 +12,7 @@
 #                hands back only a few files)
 #   WHEELS       a folder of wheels to install first into a private site folder, for a
 #                machine without network access (e.g. WHEELS=.devwheels)
-# Stages (each runs the benchmarks' modules, `python3 -m benchmarks.<path>`, from the
+# Stages (each runs modules of the benchmarks package with `python3 -m`, from the
 # repository root; the files named below are under benchmarks/):
 #   tune      tune LoRA kernel configs (kernels/tune_kernels.py; TUNE_CLASSES, TUNE_TOKENS)
 #             into the table
