@@ -12,39 +12,41 @@
 #                hands back only a few files)
 #   WHEELS       a folder of wheels to install first into a private site folder, for a
 #                machine without network access (e.g. WHEELS=.devwheels)
-# Stages:
-#   tune      tune LoRA kernel configs (TUNE_CLASSES, TUNE_TOKENS) into the table
-#   dense     tune the decode GEMM against cuBLAS (tune_dense.py, DENSE_TOKENS, DENSE_BUDGET)
+# Stages (each runs modules of the benchmarks package with `python3 -m`, from the
+# repository root; the files named below are under benchmarks/):
+#   tune      tune LoRA kernel configs (kernels/tune_kernels.py; TUNE_CLASSES, TUNE_TOKENS)
 #             into the table
+#   dense     tune the decode GEMM against cuBLAS (kernels/tune_dense.py, DENSE_TOKENS,
+#             DENSE_BUDGET) into the table
 #   tests     the GPU tests (after tune: they run on the table it wrote; TEST_FILES)
-#   layer     LoRA cost per linear layer class (lora_layer.py)
+#   layer     LoRA cost per linear layer class (kernels/lora_layer.py)
 #   moe       MoE grouped GEMM and MoE LoRA vs the torch path on Mixtral-8x7B layer shapes
-#             (moe_lora.py)
+#             (kernels/moe_lora.py)
 #   tp        offline base and LoRA throughput at tensor-parallel sizes 1 and 2, with and
 #             without --fully-sharded-loras (tensor_parallel.py; needs 2 GPUs)
 #   attention decode attention alone, tilings and split counts side by side
-#             (attention.py --sweep; ATTN_ARGS, e.g. "--batches 1 4 --splits 8 16 32")
-#   profile   where a batch-32 decode step's time goes (profile_decode.py)
+#             (kernels/attention.py --sweep; ATTN_ARGS, e.g. "--batches 1 4 --splits 8 16 32")
+#   profile   where a batch-32 decode step's time goes (profile/decode.py)
 #   decode32  base decode at batch 32 (offline.py --decode-rate; DECODE_REPEATS runs, the
 #             median), and the same through transformers (PEFT=1, the default)
 #   timeline  where the batch-32 decode run's wall time goes: host, prefill, decode steps,
-#             device idle between them (run_timeline.py)
+#             device idle between them (profile/timeline.py)
 #   offprof   where the offline run's LoRA overhead goes: prefill vs decode, GPU time by
-#             kernel kind (profile_offline.py)
+#             kernel kind (profile/offline.py)
 #   offline   LoRA vs base offline throughput, 32 rank-16 adapters, 256 requests
 #             (OFFLINE_REPEATS alternating base/LoRA runs in one process, default 3;
 #             OFFLINE_RUNS whole runs, each in a fresh process)
 #   startup   graph capture time and memory, LoRA vs base (startup.py; PROFILE_STARTUP=1
 #             adds a cProfile of each start, which slows the host side)
 #   firstuse  the Triton compiles on requests' paths after start-up, LoRA engine as served
-#             (first_use.py)
+#             (profile/first_use.py)
 #   serve     one LoRA server (32 adapters, --max-loras 32) under continuous load from
-#             serve.py: alternating base and LoRA phases at concurrency 4 (ITL at low
-#             load), 16 and 64 and at a Poisson rate (RATE, default 16/s); input
-#             128-1024, output 64-256 tokens (SERVE_BENCHES picks some by name,
-#             SERVER_ARGS adds server flags); once per mode of GRAPH_MODES
+#             serve/, the load generator: alternating base and LoRA phases at
+#             concurrency 4 (ITL at low load), 16 and 64 and at a Poisson rate (RATE,
+#             default 16/s); input 128-1024, output 64-256 tokens (SERVE_BENCHES picks
+#             some by name, SERVER_ARGS adds server flags); once per mode of GRAPH_MODES
 #   steps     base against LoRA per kind of step: host, wall and GPU kernel time of decode
-#             steps and of decode plus a prefill chunk (profile_steps.py; STEPS_ARGS);
+#             steps and of decode plus a prefill chunk (profile/steps.py; STEPS_ARGS);
 #             once per mode of GRAPH_MODES
 set -uo pipefail
 OUT=${RESULTS_DIR:-gpu_results}
@@ -69,7 +71,7 @@ if has tune; then
   # Tune the LoRA launch configs of the named classes and T buckets into the
   # table the kernels read (kept entries: --merge), before the benchmarks run.
   stamp tune
-  timeout "${TUNE_TIMEOUT:-150}" python3 benchmarks/tune_kernels.py --merge \
+  timeout "${TUNE_TIMEOUT:-150}" python3 -m benchmarks.kernels.tune_kernels --merge \
       --out kernels/configs/NVIDIA_H200.json --classes ${TUNE_CLASSES:-gate_up down} \
       --tokens ${TUNE_TOKENS:-256 1024 4096} --ranks 16 --budget-s "${TUNE_BUDGET:-110}" ${TUNE_ARGS:-} \
       > "$OUT/tune.log" 2>&1
@@ -79,9 +81,9 @@ fi
 
 if has dense; then
   stamp dense
-  (cd benchmarks && timeout "${DENSE_TIMEOUT:-300}" python3 tune_dense.py --merge \
-      --out ../kernels/configs/NVIDIA_H200.json --tokens ${DENSE_TOKENS:-32 16 64} \
-      --budget-s "${DENSE_BUDGET:-200}" --json "$OUT/dense.json" --md "$OUT/dense.md") \
+  timeout "${DENSE_TIMEOUT:-300}" python3 -m benchmarks.kernels.tune_dense --merge \
+      --out kernels/configs/NVIDIA_H200.json --tokens ${DENSE_TOKENS:-32 16 64} \
+      --budget-s "${DENSE_BUDGET:-200}" --json "$OUT/dense.json" --md "$OUT/dense.md" \
       > "$OUT/dense.log" 2>&1
   echo "dense rc=$?" >> "$OUT/dense.log"
   cp kernels/configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
@@ -102,20 +104,20 @@ fi
 if has layer; then
   # What LoRA adds to each linear layer class.
   stamp layer
-  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/lora_layer.py --json "$OUT/lora_layer.json" ${LAYER_ARGS:-} \
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.kernels.lora_layer --json "$OUT/lora_layer.json" ${LAYER_ARGS:-} \
       > "$OUT/lora_layer.log" 2>&1
   echo "layer rc=$?" >> "$OUT/lora_layer.log"
 fi
 
 if has moe; then
   stamp moe
-  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/moe_lora.py > "$OUT/moe_lora.md" 2>&1
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.kernels.moe_lora > "$OUT/moe_lora.md" 2>&1
   echo "moe rc=$?" >> "$OUT/moe_lora.md"
 fi
 
 if has attention; then
   stamp attention
-  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/attention.py --sweep --no-prefill \
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.kernels.attention --sweep --no-prefill \
       ${ATTN_ARGS:-} --json "$OUT/attention.json" --md "$OUT/attention.md" \
       > "$OUT/attention.log" 2>&1
   echo "attention rc=$?" >> "$OUT/attention.log"
@@ -124,46 +126,46 @@ fi
 if has profile || has decode32 || has timeline || has offprof || has offline || has startup || has firstuse || has serve || has steps || has tp; then
   stamp setup
   # The offline runs repeat their prompts, so they turn the prefix cache off (it would
-  # serve the repeats); serve.py gives every phase prompts of its own.
-  python3 benchmarks/make_bench_setup.py --out /tmp/bench --num-adapters "${NUM_ADAPTERS:-32}" \
+  # serve the repeats); benchmarks.serve gives every phase prompts of its own.
+  python3 -m benchmarks.make_bench_setup --out /tmp/bench --num-adapters "${NUM_ADAPTERS:-32}" \
       --rank 16 > "$OUT/setup.log" 2>&1
 fi
 
 if has profile; then
   stamp profile
-  (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 profile_decode.py --model $MODEL \
-      --load-format dummy --batch 32 --out "$OUT/profile") > "$OUT/profile.log" 2>&1
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.profile.decode --model $MODEL \
+      --load-format dummy --batch 32 --out "$OUT/profile" > "$OUT/profile.log" 2>&1
   echo "profile rc=$?" >> "$OUT/profile.log"
 fi
 
 if has decode32; then
   stamp decode32
   # Short prompts, long outputs: nearly every step is a batch-32 decode.
-  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/offline.py \
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.offline \
       --model $MODEL --load-format dummy --num-requests 32 \
       --max-num-seqs 32 --input-len 64 --output-len 512 --decode-rate \
       --repeats "${DECODE_REPEATS:-1}" \
       --json "$OUT/decode32.json" > "$OUT/decode32.log" 2>&1
   echo "decode32 rc=$?" >> "$OUT/decode32.log"
   if [ "${PEFT:-1}" = 1 ]; then
-    (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 peft_baseline.py --model $MODEL \
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.peft_baseline --model $MODEL \
         --num-requests 32 --batch-size 32 --input-len 64 --output-len 512 --no-lora \
-        --json "$OUT/decode32_peft.json") > "$OUT/decode32_peft.log" 2>&1
+        --json "$OUT/decode32_peft.json" > "$OUT/decode32_peft.log" 2>&1
     echo "decode32 peft rc=$?" >> "$OUT/decode32_peft.log"
   fi
 fi
 
 if has timeline; then
   stamp timeline
-  (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 run_timeline.py --model $MODEL \
-      --load-format dummy --json "$OUT/timeline.json") > "$OUT/timeline.log" 2>&1
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.profile.timeline --model $MODEL \
+      --load-format dummy --json "$OUT/timeline.json" > "$OUT/timeline.log" 2>&1
   echo "timeline rc=$?" >> "$OUT/timeline.log"
 fi
 
 if has offprof; then
   stamp offprof
-  (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 profile_offline.py --model $MODEL \
-      --load-format dummy --adapters $ADAPTERS --out "$OUT/offprof") > "$OUT/offprof.log" 2>&1
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.profile.offline --model $MODEL \
+      --load-format dummy --adapters $ADAPTERS --out "$OUT/offprof" > "$OUT/offprof.log" 2>&1
   echo "offprof rc=$?" >> "$OUT/offprof.log"
 fi
 
@@ -171,7 +173,7 @@ if has offline; then
   for i in $(seq "${OFFLINE_RUNS:-1}"); do
     stamp "offline $i"
     suffix=$([ "$i" = 1 ] && echo "" || echo "_$i")
-    timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/offline.py \
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.offline \
         --model $MODEL --load-format dummy --adapters $ADAPTERS \
         --num-adapters 32 --num-requests 256 --input-len 512 --output-len 128 \
         --repeats "${OFFLINE_REPEATS:-3}" \
@@ -182,17 +184,17 @@ fi
 
 if has startup; then
   stamp startup
-  (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 startup.py --model $MODEL \
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.startup --model $MODEL \
       --load-format dummy --max-loras 8 --max-num-seqs 256 \
       ${PROFILE_STARTUP:+--profile-dir "$OUT/startup_profile"} \
-      --json "$OUT/startup.json") > "$OUT/startup.log" 2>&1
+      --json "$OUT/startup.json" > "$OUT/startup.log" 2>&1
   echo "startup rc=$?" >> "$OUT/startup.log"
 fi
 
 if has firstuse; then
   stamp firstuse
-  (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 first_use.py --model $MODEL \
-      --load-format dummy --adapters $ADAPTERS --json "$OUT/first_use.json") \
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.profile.first_use --model $MODEL \
+      --load-format dummy --adapters $ADAPTERS --json "$OUT/first_use.json" \
       > "$OUT/first_use.log" 2>&1
   echo "firstuse rc=$?" >> "$OUT/first_use.log"
 fi
@@ -201,10 +203,10 @@ if has tp; then
   for sharding in "" --fully-sharded-loras; do
     name=tp${sharding:+_fully_sharded}
     stamp "$name"
-    (cd benchmarks && timeout "${BENCH_TIMEOUT:-600}" python3 tensor_parallel.py \
+    timeout "${BENCH_TIMEOUT:-600}" python3 -m benchmarks.tensor_parallel \
         --model $MODEL --load-format dummy --adapters $ADAPTERS --sizes 1 2 \
         --num-requests 256 --input-len 512 --output-len 128 $sharding \
-        --json "$OUT/$name.json") > "$OUT/$name.log" 2>&1
+        --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
     echo "$name rc=$?" >> "$OUT/$name.log"
   done
 fi
@@ -227,11 +229,11 @@ if has serve; then
     for _ in $(seq 300); do
       curl -sf http://127.0.0.1:8011/v1/models > /dev/null && break; sleep 1
     done
-    bench() {  # name, then serve.py arguments; SERVE_BENCHES picks some of the names
+    bench() {  # name, then benchmarks.serve's arguments; SERVE_BENCHES picks some of the names
       local name=$1; shift
       [ -n "${SERVE_BENCHES:-}" ] && [[ " $SERVE_BENCHES " != *" $name "* ]] && return
       stamp "serve $mode $name"
-      timeout "${SERVE_TIMEOUT:-240}" python3 benchmarks/serve.py http://127.0.0.1:8011 \
+      timeout "${SERVE_TIMEOUT:-240}" python3 -m benchmarks.serve http://127.0.0.1:8011 \
           --phases "${PHASES:-base,lora,base,lora}" --num-clients 4 \
           --json "$OUT/serve_${name}_$mode.json" "$@" > "$OUT/serve_${name}_$mode.log" 2>&1
       echo "rc=$?" >> "$OUT/serve_${name}_$mode.log"
@@ -253,9 +255,9 @@ if has steps; then
   # host, wall and GPU kernel time of one step.
   for mode in $GRAPH_MODES; do
     stamp "steps $mode"
-    (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" python3 profile_steps.py \
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.profile.steps \
         --model $MODEL --load-format dummy --adapters $ADAPTERS --cudagraph-mode "$mode" \
-        --json "$OUT/steps_$mode.json" ${STEPS_ARGS:-}) > "$OUT/steps_$mode.log" 2>&1
+        --json "$OUT/steps_$mode.json" ${STEPS_ARGS:-} > "$OUT/steps_$mode.log" 2>&1
     echo "steps rc=$?" >> "$OUT/steps_$mode.log"
   done
 fi

@@ -3,7 +3,7 @@
 One process runs both, on the same engine settings:
 the base model (no adapter) and the same requests spread over the adapters.
 
-    python benchmarks/offline.py --model /tmp/bench/llama3-8b-shape --load-format dummy \
+    python -m benchmarks.offline --model /tmp/bench/llama3-8b-shape --load-format dummy \
         --adapters /tmp/bench/adapters --num-adapters 32 --num-requests 256 \
         --input-len 512 --output-len 128 --json out.json
 
@@ -20,50 +20,17 @@ import argparse
 import gc
 import json
 import logging
-import platform
-import random
-import sys
 import time
 from pathlib import Path
 
-import torch
-
-from loraserve import LLM, LoRARequest, SamplingParams
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
-    return f"CPU {platform.processor() or platform.machine()} (torch {torch.__version__})"
-
-
-def make_prompts(num: int, input_len: int, vocab: int, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(input_len)]}
-            for _ in range(num)]
-
-
-def adapter_names(root: Path, count: int) -> list[str]:
-    """The first `count` adapter folders under root, in name order."""
-    return sorted(d.name for d in root.iterdir() if d.is_dir())[:count]
-
-
-def mixed_adapters(root: Path, count: int, num_prompts: int) -> list[LoRARequest]:
-    """A request for each prompt, round-robin over the first `count` adapters under root."""
-    names = adapter_names(root, count)
-    loras = [LoRARequest(n, i + 1, str(root / n)) for i, n in enumerate(names)]
-    return [loras[i % len(loras)] for i in range(num_prompts)]
-
-
-def finish_report(results: dict, json_path: Path | None) -> None:
-    """Add the LoRA/base ratio (when both ran), print, and save."""
-    if "lora" in results:
-        results["lora_over_base"] = (
-            results["lora"]["output_tok_per_s"] / results["base"]["output_tok_per_s"]
-        )
-    print(json.dumps(results, indent=2))
-    if json_path:
-        json_path.write_text(json.dumps(results, indent=2))
+from benchmarks.results import command, finish_report, machine
+from benchmarks.workload import (
+    add_workload_arguments,
+    mixed_adapters,
+    workload_engine,
+    workload_requests,
+)
+from loraserve import LLM, SamplingParams
 
 
 def timed_generate(llm: LLM, prompts, params, loras, **kwargs) -> tuple[list, float]:
@@ -96,23 +63,6 @@ def run(llm: LLM, prompts, params, loras, decode_rate: bool = False) -> dict:
     return result
 
 
-def add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    """The model, adapters, workload and engine sizes of an offline run (shared
-    with tensor_parallel.py)."""
-    p.add_argument("--model", required=True)
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--adapters", type=Path, help="folder of PEFT adapter folders")
-    p.add_argument("--num-adapters", type=int, default=32)
-    p.add_argument("--max-loras", type=int, default=None)
-    p.add_argument("--max-lora-rank", type=int, default=16)
-    p.add_argument("--num-requests", type=int, default=256)
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--enforce-eager", action="store_true")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     add_workload_arguments(p)
@@ -128,18 +78,11 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
-    max_loras = args.max_loras or args.num_adapters
-    llm = LLM(args.model, load_format=args.load_format, enable_lora=args.adapters is not None,
-              max_loras=max_loras, max_lora_rank=args.max_lora_rank,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enforce_eager=args.enforce_eager, device=args.device,
-              enable_prefix_caching=args.enable_prefix_caching)
-    vocab = llm.config.model_config.hf_config.vocab_size
-    prompts = make_prompts(args.num_requests, args.input_len, vocab)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm = workload_engine(args, device=args.device,
+                          enable_prefix_caching=args.enable_prefix_caching)
+    prompts, params = workload_requests(llm, args)
 
-    results = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-               "machine": machine()}
+    results = {"command": command(), "machine": machine()}
     graphs = llm.engine.runner.graphs
     if graphs is not None:
         results["graph_capture"] = {"seconds": graphs.capture_seconds,

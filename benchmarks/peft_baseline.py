@@ -1,7 +1,7 @@
 """The offline workload of offline.py through transformers+PEFT: `generate` with
 `adapter_names` per row, base vs LoRA, for a side-by-side speed-up.
 
-    python benchmarks/peft_baseline.py --model /tmp/bench/llama3-8b-shape \
+    python -m benchmarks.peft_baseline --model /tmp/bench/llama3-8b-shape \
         --adapters /tmp/bench/adapters --num-adapters 32 --num-requests 256 \
         --input-len 512 --output-len 128 --batch-size 64 --json peft.json
 """
@@ -9,12 +9,13 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
-from offline import adapter_names, finish_report, machine, make_prompts
+
+from benchmarks.results import command, finish_report, machine
+from benchmarks.workload import adapter_names, make_prompts
 
 
 def generate(model, prompts, output_len: int, batch_size: int, adapter_names=None) -> dict:
@@ -64,8 +65,7 @@ def main() -> None:
     vocab = config.vocab_size
     prompts = make_prompts(args.num_requests, args.input_len, vocab)
     generate(model, prompts[:2], 4, 2)  # warm-up
-    results = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-               "machine": machine(),
+    results = {"command": command(), "machine": machine(),
                "base": generate(model, prompts, args.output_len, args.batch_size)}
     if args.no_lora:
         finish_report(results, args.json)

@@ -9,7 +9,7 @@ token throughput, the throughput ratio to the first count, and the share of
 requests that reached a replica already holding their adapter (the replica says
 so in the x-loraserve-adapter-read header). Prints a markdown block.
 
-    python benchmarks/ray_scale_out.py --replicas 1 2
+    python -m benchmarks.ray_scale_out --replicas 1 2
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import httpx
 import torch
-from safetensors.torch import save_file
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from benchmarks.synthetic import write_adapter
+
 WORDS = ("river", "stone", "garden", "engine", "letter", "window", "market", "forest")
 
 
@@ -53,37 +53,6 @@ class RunResult:
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s
-
-
-def projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each projection, from a Llama-style config.json."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-    kv = config.get("num_key_value_heads", config["num_attention_heads"]) * head_dim
-    q = config["num_attention_heads"] * head_dim
-    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
-            "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-            "down_proj": (inter, hidden)}
-
-
-def write_adapter(path: Path, config: dict, rank: int, seed: int) -> None:
-    """A random PEFT LoRA over every projection, as PEFT saves one."""
-    path.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config["num_hidden_layers"]):
-        for name, (k, n) in projection_shapes(config).items():
-            part = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) \
-                else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{part}.{name}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, k, generator=gen) / k**0.5
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(n, rank, generator=gen) * 0.01
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-        "lora_dropout": 0.0, "bias": "none", "target_modules": list(PROJECTIONS),
-        "fan_in_fan_out": False, "inference_mode": True,
-    }))
 
 
 def workload(num_requests: int, num_adapters: int, seed: int) -> list[tuple[str, str]]:
@@ -150,7 +119,7 @@ def report(args: argparse.Namespace, results: list[RunResult]) -> str:
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}, torch {torch.__version__}, ray {ray.__version__}.",
-        f"Command: `python benchmarks/ray_scale_out.py {shlex.join(sys.argv[1:])}`",
+        f"Command: `python -m benchmarks.ray_scale_out {shlex.join(sys.argv[1:])}`",
         f"Workload: {args.num_requests} completions to {args.num_adapters} rank-{args.rank} "
         f"adapters of {args.model} (uniform), {args.output_len} output tokens each, "
         f"{args.concurrency} in flight; per replica --max-loras {args.max_loras} "
@@ -208,7 +177,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="loraserve-ray-bench-") as tmp:
         modules = []
         for i in range(args.num_adapters):
-            write_adapter(Path(tmp) / f"a{i}", config, args.rank, seed=i)
+            write_adapter(Path(tmp) / f"a{i}", config, args.rank, seed=i, base_model=args.model)
             modules.append(f"a{i}={tmp}/a{i}")
         model_argv = [args.model, "--device", args.device, "--load-format", args.load_format,
                       "--served-model-name", "base",

@@ -2,7 +2,7 @@
 for the base model and with LoRA on, each in a fresh process, first on an empty
 Triton cache and then again on the cache that start filled.
 
-    python benchmarks/startup.py --model /tmp/bench/llama3-8b-shape --load-format dummy \
+    python -m benchmarks.startup --model /tmp/bench/llama3-8b-shape --load-format dummy \
         --max-loras 8 --max-num-seqs 256 --json startup.json
 """
 
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import multiprocessing as mp
 import os
 import pstats
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.results import command, write_results
 
 
 def measure(kwargs: dict, cache_dir: str, queue, profile_to: str | None) -> None:
@@ -91,15 +91,12 @@ def main() -> None:
                           "specialize_active_lora": args.specialize_active_lora},
                          "lora", args.profile_dir)
     base = cold_and_warm(common, "base", args.profile_dir)
-    results = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-               "base": base, "lora": lora}
+    results = {"command": command(), "base": base, "lora": lora}
     for start in ("cold", "warm"):
         if base[start]["capture_s"]:
             results[f"capture_lora_over_base_{start}"] = (
                 lora[start]["capture_s"] / base[start]["capture_s"])
-    print(json.dumps(results, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    write_results(results, args.json)
 
 
 if __name__ == "__main__":

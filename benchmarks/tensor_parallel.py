@@ -5,8 +5,8 @@ back when its process ends), through offline.py's runs, and the report gives,
 per size, base and LoRA output tokens/s, LoRA/base, and each size's throughput
 over the first size's:
 
-    python benchmarks/make_bench_setup.py --out /tmp/bench --num-adapters 32 --rank 16
-    python benchmarks/tensor_parallel.py --model /tmp/bench/llama3-8b-shape \
+    python -m benchmarks.make_bench_setup --out /tmp/bench --num-adapters 32 --rank 16
+    python -m benchmarks.tensor_parallel --model /tmp/bench/llama3-8b-shape \
         --load-format dummy --adapters /tmp/bench/adapters --sizes 1 2 \
         --num-requests 256 --input-len 512 --output-len 128 --json tp.json
 
@@ -22,23 +22,23 @@ import sys
 import tempfile
 from pathlib import Path
 
-from offline import add_workload_arguments, machine, make_prompts, mixed_adapters, run
-
-from loraserve import LLM, SamplingParams
+from benchmarks.offline import run
+from benchmarks.results import command, machine, write_results
+from benchmarks.workload import (
+    add_workload_arguments,
+    mixed_adapters,
+    workload_engine,
+    workload_requests,
+)
 
 
 def one_size(args: argparse.Namespace) -> dict:
     """Base and LoRA runs at args.size ranks, in this process."""
     use_lora = args.adapters is not None
-    llm = LLM(args.model, load_format=args.load_format, enable_lora=use_lora,
-              max_loras=args.max_loras or args.num_adapters, max_lora_rank=args.max_lora_rank,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enforce_eager=args.enforce_eager, enable_prefix_caching=False,
-              tensor_parallel_size=args.size,
-              fully_sharded_loras=args.fully_sharded_loras and args.size > 1 and use_lora)
-    vocab = llm.config.model_config.hf_config.vocab_size
-    prompts = make_prompts(args.num_requests, args.input_len, vocab)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm = workload_engine(
+        args, enable_prefix_caching=False, tensor_parallel_size=args.size,
+        fully_sharded_loras=args.fully_sharded_loras and args.size > 1 and use_lora)
+    prompts, params = workload_requests(llm, args)
     result = {"base": run(llm, prompts, params, None)}
     if use_lora:
         loras = mixed_adapters(args.adapters, args.num_adapters, len(prompts))
@@ -61,8 +61,7 @@ def main() -> None:
     if args.size is not None:
         args.json.write_text(json.dumps(one_size(args)))
         return
-    results: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-                     "machine": machine()}
+    results: dict = {"command": command(), "machine": machine()}
     child_args = list(sys.argv[1:])
     if "--json" in child_args:
         i = child_args.index("--json")
@@ -73,8 +72,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
             out = Path(tmp) / f"tp{size}.json"
-            subprocess.run([sys.executable, __file__, *child_args, "--size", str(size),
-                            "--json", str(out)], check=True)
+            subprocess.run([sys.executable, "-m", __spec__.name, *child_args,
+                            "--size", str(size), "--json", str(out)], check=True)
             results[f"tp{size}"] = json.loads(out.read_text())
             print(json.dumps({f"tp{size}": results[f"tp{size}"]}), flush=True)
     first = results[f"tp{args.sizes[0]}"]
@@ -84,9 +83,7 @@ def main() -> None:
             if kind in this:
                 results[f"{kind}_tp{size}_over_tp{args.sizes[0]}"] = (
                     this[kind]["output_tok_per_s"] / first[kind]["output_tok_per_s"])
-    print(json.dumps(results, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    write_results(results, args.json)
 
 
 if __name__ == "__main__":

@@ -420,7 +420,7 @@ def attn_kernel(
 # width and workspace strides change from step to step. Triton compiles a
 # variant of a kernel for each int argument that is 1 or a multiple of 16, so
 # each new combination would cost a 1.5-2 s compile on a request's path after start-up
-# (benchmarks/first_use.py lists them). Query-tiled launches take this kernel,
+# (benchmarks/profile/first_use.py lists them). Query-tiled launches take this kernel,
 # which does not specialise on them; decode keeps the specialised one, whose
 # values a CUDA graph fixes.
 _RAGGED_INTS = ["num_seqs", "num_splits", "stride_bt", "ws_o_ss", "ws_lse_ss"]

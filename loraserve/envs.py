@@ -34,9 +34,9 @@ class EnvVar:
 LORA_CONFIG = EnvVar(
     "LORASERVE_LORA_CONFIG",
     "",
-    "Path of a tuned kernel-config table (the JSON that benchmarks/tune_kernels.py and "
-    "benchmarks/tune_dense.py write) to use instead of the table shipped for the GPU in "
-    "use (kernels/configs/<GPU name>.json). Unset: the shipped table, or shape "
+    "Path of a tuned kernel-config table (the JSON that benchmarks/kernels/tune_kernels.py "
+    "and benchmarks/kernels/tune_dense.py write) to use instead of the table shipped for "
+    "the GPU in use (kernels/configs/<GPU name>.json). Unset: the shipped table, or shape "
     "heuristics on a GPU that has none.",
 )
 CACHE_DIR = EnvVar(

@@ -1,32 +1,19 @@
-"""benchmarks/serve.py against a tiny `loraserve serve` with two adapters: every
-request succeeds with exactly output-len tokens, the statistics are in order, and
-the adapters are drawn as the distribution says. No assertion on speed."""
+"""The serving benchmark (`python -m benchmarks.serve`) against a tiny `loraserve
+serve` with two adapters: every request succeeds with exactly output-len tokens,
+the statistics are in order, and the adapters are drawn as the distribution says.
+No assertion on speed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
 import shlex
-import sys
-from pathlib import Path
 
 import pytest
 from serve_utils import ServerProcess
 
-
-def _load_bench():
-    """benchmarks/serve.py as a module, under a name that cannot shadow another."""
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "serve.py"
-    spec = importlib.util.spec_from_file_location("loraserve_bench_serve", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+from benchmarks.serve import cli, load, report
 
 NUM_REQUESTS = 12
 INPUT_LEN = 16
@@ -53,10 +40,10 @@ def test_serve_benchmark(server, tmp_path, rate_args):
             "--num-adapters", "2", "--adapter-dist", "zipf", "--zipf-s", "1.1",
             "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
             "--request-timeout", "60", "--seed", "3", "--json", str(out)]
-    bench.main(argv)
+    cli.main(argv)
     results = json.loads(out.read_text())
 
-    assert results["command"] == shlex.join(["python", "benchmarks/serve.py", *argv])
+    assert results["command"] == shlex.join(["python", "-m", "benchmarks.serve", *argv])
     assert results["machine"]
     assert results["base_model"] == "base"
     assert results["adapters"] == ADAPTERS
@@ -87,7 +74,7 @@ def test_serve_benchmark(server, tmp_path, rate_args):
     counts = {name: sum(r["model"] == name for r in records) for name in ADAPTERS}
     assert sum(counts.values()) == NUM_REQUESTS
     assert results["model_counts"] == {k: v for k, v in counts.items() if v}
-    expected = bench.pick_models(NUM_REQUESTS, "base", ADAPTERS, "zipf", 1.1, 0.0,
+    expected = load.pick_models(NUM_REQUESTS, "base", ADAPTERS, "zipf", 1.1, 0.0,
                                  random.Random("3-models"))
     assert [r["model"] for r in records] == expected
     # Send times follow the schedule: all at 0 for inf, 1/40 s apart for fixed.
@@ -102,13 +89,13 @@ def test_serve_benchmark(server, tmp_path, rate_args):
 def test_failures_are_counted_and_bounded(server, tmp_path):
     """A request past --request-timeout fails without stalling the run; names the
     server does not serve are refused before any request goes out."""
-    results = bench.main([server.url, "--num-requests", "3", "--input-len", "8",
+    results = cli.main([server.url, "--num-requests", "3", "--input-len", "8",
                           "--output-len", "8", "--request-timeout", "0.0001"])
     assert results["failures"] == 3 and results["completed"] == 0
     assert all("timed out" in e for e in results["errors"])
     assert results["ttft"]["p50_ms"] is None
     with pytest.raises(SystemExit, match="nope"):
-        bench.main([server.url, "--num-requests", "1", "--adapter-names", "nope"])
+        cli.main([server.url, "--num-requests", "1", "--adapter-names", "nope"])
 
 
 def test_adapter_distribution():
@@ -116,25 +103,25 @@ def test_adapter_distribution():
     n, adapters = 20000, ["a", "b", "c"]
     zipf = [1 / k ** 1.1 for k in (1, 2, 3)]
     for dist, weights, base_fraction in [("zipf", zipf, 0.0), ("uniform", [1, 1, 1], 0.25)]:
-        picks = bench.pick_models(n, "base", adapters, dist, 1.1, base_fraction,
+        picks = load.pick_models(n, "base", adapters, dist, 1.1, base_fraction,
                                   random.Random(0))
         assert picks.count("base") / n == pytest.approx(base_fraction, abs=0.015)
         for name, w in zip(adapters, weights, strict=True):
             share = w / sum(weights) * (1 - base_fraction)
             assert picks.count(name) / n == pytest.approx(share, abs=0.015)
-    assert bench.pick_models(5, "base", [], "zipf", 1.1, 0.0, random.Random(0)) == ["base"] * 5
+    assert load.pick_models(5, "base", [], "zipf", 1.1, 0.0, random.Random(0)) == ["base"] * 5
 
 
 def test_arrivals_and_percentiles():
     rng = random.Random(0)
-    poisson = bench.arrival_offsets(4000, 20.0, "poisson", rng)
+    poisson = load.arrival_offsets(4000, 20.0, "poisson", rng)
     gaps = [b - a for a, b in zip(poisson, poisson[1:], strict=False)]
     assert sum(gaps) / len(gaps) == pytest.approx(1 / 20, rel=0.05)
-    assert bench.arrival_offsets(3, 4.0, "fixed", rng) == [0.0, 0.25, 0.5]
-    assert bench.arrival_offsets(3, math.inf, "poisson", rng) == [0.0, 0.0, 0.0]
-    assert bench.percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5
-    assert bench.percentile([1.0, 2.0], 99) == pytest.approx(1.99)
-    assert bench.percentile([], 50) is None
+    assert load.arrival_offsets(3, 4.0, "fixed", rng) == [0.0, 0.25, 0.5]
+    assert load.arrival_offsets(3, math.inf, "poisson", rng) == [0.0, 0.0, 0.0]
+    assert report.percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5
+    assert report.percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert report.percentile([], 50) is None
 
 
 def test_phases_with_length_ranges_over_two_clients(server, tmp_path):
@@ -142,7 +129,7 @@ def test_phases_with_length_ranges_over_two_clients(server, tmp_path):
     every request to its kind of model, with lengths drawn in the ranges (the same
     draws in every phase), and the summary ratios come from the phases' figures."""
     out = tmp_path / "phases.json"
-    results = bench.main([server.url, "--num-requests", "8", "--phases", "base,lora,base,lora",
+    results = cli.main([server.url, "--num-requests", "8", "--phases", "base,lora,base,lora",
                           "--num-clients", "2", "--max-concurrency", "4",
                           "--input-len", "4:24", "--output-len", "2:9",
                           "--request-timeout", "60", "--seed", "5", "--json", str(out)])
@@ -166,4 +153,4 @@ def test_phases_with_length_ranges_over_two_clients(server, tmp_path):
     lora = sorted(p["output_tok_per_s"] for p in phases if p["phase"] == "lora")
     assert results["lora_over_base_output_tok_per_s"] == pytest.approx(
         (lora[0] + lora[1]) / (base[0] + base[1]))
-    assert "Served LoRA/base: " in bench.format_table(results)
+    assert "Served LoRA/base: " in report.format_table(results)

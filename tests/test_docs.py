@@ -111,16 +111,27 @@ def test_every_environment_variable_has_a_row():
 
 # The pages whose commands a reader copies.
 COMMAND_PAGES = ("README.md", "benchmarks/RESULTS.md", "examples/README.md", "docs/design.md",
-                 "docs/lora.md", "docs/configuration.md")
+                 "docs/lora.md", "docs/configuration.md", "docs/scale-out.md")
+
+
+def _runnable_module(name: str) -> bool:
+    """Whether `python -m name` from the root runs a file of the repository."""
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__main__.py").is_file()
 
 
 def test_every_script_the_docs_run_exists():
     missing = []
-    for page in COMMAND_PAGES:
+    # The pages, the GPU suite's stages, and the usage in each benchmark's docstring.
+    benchmarks = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").rglob("*.py"))
+    for page in (*COMMAND_PAGES, "benchmarks/gpu_suite.sh", *benchmarks):
         text = (ROOT / page).read_text()
         for script in set(re.findall(r"\b(?:python3?|bash)\s+((?:[\w.-]+/)*[\w.-]+\.(?:py|sh))",
                                      text)):
-            # A bare name runs from benchmarks/ (`cd benchmarks && python x.py`).
-            if not ((ROOT / script).is_file() or (ROOT / "benchmarks" / script).is_file()):
+            if not (ROOT / script).is_file():
                 missing.append(f"{page}: {script}")
+        for module in set(re.findall(r"\bpython3?\s+-m\s+([\w.]+)", text)):
+            # The repository's own modules (the benchmarks, loraserve.cli), not pip's or pytest's.
+            if (ROOT / module.split(".")[0]).is_dir() and not _runnable_module(module):
+                missing.append(f"{page}: -m {module}")
     assert not missing, f"commands run scripts that do not exist: {missing}"

@@ -1,6 +1,6 @@
 """What LoRA adds to one linear layer of the Llama-3-8B shape, on CUDA.
 
-    python benchmarks/lora_layer.py --json lora_layer.json
+    python -m benchmarks.kernels.lora_layer --json lora_layer.json
 
 For each layer class (merged QKV, o, merged gate/up, down) and token count T,
 with rank-16 adapters in 32 slots and every token on one of them (mixed), it
@@ -29,15 +29,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import torch
-from lora_op import time_graph  # benchmarks/lora_op.py
 from loraserve.kernels.activation import silu_and_mul
 from loraserve.kernels.lora_activation import silu_and_mul_lora
 from loraserve.kernels.lora_ops import add_lora_linear
-from tune_kernels import SHRINK_CLASSES as SHAPES  # Llama-3-8B: (K, output slices)
 
+from benchmarks.kernels.timing import time_graph
+from benchmarks.kernels.tune_kernels import SHRINK_CLASSES as SHAPES  # Llama-3-8B: (K, slices)
+from benchmarks.results import command_words
 from loraserve.lora.punica_triton import TritonPunicaWrapper
 
 TOKENS = [1, 32, 256, 1024, 4096, 8192]
@@ -162,7 +162,7 @@ def main() -> int:
         cells = [r[f"{c}_us"] for c in ("base", "unfused", "fused", "beside")]
         print("| gate_up+act | " + f"{t} | " + " | ".join(f"{v:.1f}" for v in cells) + " |",
               flush=True)
-    result = {"command": " ".join(["python", *sys.argv]),
+    result = {"command": " ".join(["python", *command_words()[1:]]),
               "device": torch.cuda.get_device_name(), "rows": rows}
     if args.json:
         with open(args.json, "w") as f:

@@ -1,10 +1,10 @@
 """Where the wall time of the batch-32 decode run goes (the run of
-``offline.py --decode-rate``: 32 requests, input 64, output 512): one run
+``benchmarks/offline.py --decode-rate``: 32 requests, input 64, output 512): one run
 under the torch profiler (CUDA activity), split into the host time before the
 first and after the last device work, the prefill step, the decode steps, and
 the device's idle gaps between them, by the names of the work on either side.
 
-    python benchmarks/run_timeline.py --model /tmp/bench/llama3-8b-shape \
+    python -m benchmarks.profile.timeline --model /tmp/bench/llama3-8b-shape \
         --load-format dummy --json out.json
 
 A step ends with the copy of its tokens to the host (``Memcpy DtoH``), so the
@@ -15,17 +15,16 @@ before and after give the wall time without the profiler's cost.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-from offline import machine, make_prompts
-from profile_offline import timed
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.profile.timing import timed
+from benchmarks.results import command, machine, write_results
+from benchmarks.workload import make_prompts
 from loraserve import LLM, SamplingParams
 
 
@@ -96,7 +95,7 @@ def main() -> None:
     ends = to_host[-decode_steps - 1:]
     periods = sorted(b - a for a, b in zip(ends[:-1], ends[1:], strict=True))
     results = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command(),
         "machine": machine(),
         "wall_s": {"unprofiled_before": before, "profiled": profiled,
                    "unprofiled_after": after},
@@ -117,9 +116,7 @@ def main() -> None:
         "prefill_gaps_by_neighbours": prefill_gaps,
         "slowest_steps_us": periods[-8:],
     }
-    print(json.dumps(results, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    write_results(results, args.json)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ made as ``loraserve serve`` makes it (LoRA on, 8 slots, 256 sequences), then
 workloads like the serving benchmark's, each timed, with every compile that
 happens during it (Triton's JIT hooks) and its seconds.
 
-    python benchmarks/first_use.py --model /tmp/bench/llama3-8b-shape \
+    python -m benchmarks.profile.first_use --model /tmp/bench/llama3-8b-shape \
         --load-format dummy --adapters /tmp/bench/adapters --json out.json
 
 Run it with an empty Triton cache (TRITON_CACHE_DIR) to see what a fresh
@@ -13,17 +13,16 @@ machine pays.
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import sys
 import time
 from pathlib import Path
 
-from offline import adapter_names, machine, make_prompts
-from profile_offline import timed
 from triton import knobs
 
-from loraserve import LLM, LoRARequest, SamplingParams
+from benchmarks.profile.timing import timed
+from benchmarks.results import command, machine, write_results
+from benchmarks.workload import adapter_requests, make_prompts
+from loraserve import LLM, SamplingParams
 
 compiles: list[dict] = []
 _started: dict = {}
@@ -55,8 +54,7 @@ def main() -> None:
     knobs.runtime.jit_cache_hook = _before
     knobs.runtime.jit_post_compile_hook = _after
     vocab = llm.config.model_config.hf_config.vocab_size
-    names = adapter_names(args.adapters, 8)
-    loras = [LoRARequest(n, i + 1, str(args.adapters / n)) for i, n in enumerate(names)]
+    loras = adapter_requests(args.adapters, 8)
     rng = random.Random(0)
 
     def prompts(num: int, length: int, ragged: bool = False) -> list[dict]:
@@ -77,8 +75,7 @@ def main() -> None:
          [loras[i % 8] for i in range(100)]),
     ]
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
-    results = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-               "machine": machine(), "phases": []}
+    results = {"command": command(), "machine": machine(), "phases": []}
     for name, batch, per_prompt in phases:
         before = len(compiles)
         seconds = timed(llm, batch, params, per_prompt)
@@ -89,9 +86,7 @@ def main() -> None:
         })
         print(name, round(results["phases"][-1]["seconds"], 2), "s,", len(new), "compiles",
               flush=True)
-    print(json.dumps(results, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    write_results(results, args.json, indent=1)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 
 Run on a CUDA machine:
 
-    python benchmarks/moe_lora.py [--tokens 16 64 256 1024] [--rank 16] [--adapters 4]
+    python -m benchmarks.kernels.moe_lora [--tokens 16 64 256 1024] [--rank 16] [--adapters 4]
 
 Three rows per token count, each the Triton op (``loraserve.kernels``) against
 the torch path the CPU runs (``loraserve.model.moe_ops``):
@@ -28,6 +28,7 @@ import sys
 
 import torch
 
+from benchmarks.results import command_words
 from loraserve.model.moe_ops import ExpertsLoRA, add_expert_lora, torch_moe_experts
 
 HIDDEN, INTER, EXPERTS, TOP_K = 4096, 14336, 8, 2
@@ -89,7 +90,7 @@ def main() -> None:
           f"top-{TOP_K}), bf16, rank {rank}, {slots} adapters")
     print(f"machine: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton_version()}")
-    print(f"command: python {' '.join(sys.argv)}\n")
+    print(f"command: python {' '.join(command_words()[1:])}\n")
     print("| tokens | op | torch ms | triton ms | speed-up | max rel. diff |")
     print("|---:|---|---:|---:|---:|---:|")
     for tokens in args.tokens:

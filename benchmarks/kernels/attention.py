@@ -2,7 +2,7 @@
 
 Run on a CUDA machine:
 
-    python benchmarks/attention.py --json out.json --md out.md [--sweep]
+    python -m benchmarks.kernels.attention --json out.json --md out.md [--sweep]
 
 Decode points: batch 1, 32, 64, 256 at context 512 and 2048, Hq 32, Hk 8, head
 dim 128, bf16, block size 16, each sequence's blocks scattered over the cache.
@@ -24,9 +24,11 @@ import sys
 
 import torch
 import triton.testing
-from lora_op import copy_bandwidth, median_replay_ms  # benchmarks/lora_op.py
 from loraserve.kernels import paged_attention as pa
 from loraserve.kernels.attention_tiling import MAX_SPLITS, choose_num_splits
+
+from benchmarks.kernels.timing import copy_bandwidth, median_replay_ms
+from benchmarks.results import command
 
 HQ, HK, D, BS = 32, 8, 128, 16
 BATCHES = [1, 32, 64, 256]
@@ -213,7 +215,7 @@ def main() -> None:
             json.dump(results, f, indent=1)
     if args.md:
         with open(args.md, "w") as f:
-            f.write(markdown(results, bw, " ".join(sys.argv), args.batches, args.contexts))
+            f.write(markdown(results, bw, command(), args.batches, args.contexts))
 
 
 def markdown(results: dict, bw: float, cmd: str, batches, contexts) -> str:

@@ -15,7 +15,7 @@ chunk of C tokens) and times each kind of step three ways:
 When host is close to wall, the step is launch-bound: the device waits on the
 CPU, and LoRA's extra launches cost their host time in full.
 
-    python benchmarks/profile_steps.py --model /tmp/bench/llama3-8b-shape \
+    python -m benchmarks.profile.steps --model /tmp/bench/llama3-8b-shape \
         --load-format dummy --adapters /tmp/bench/adapters --json steps.json
 """
 
@@ -30,11 +30,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from offline import machine
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.profile.timing import sync
+from benchmarks.results import command_words, machine
+from benchmarks.workload import adapter_requests
 from loraserve.config import EngineConfig
-from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams
 from loraserve.worker.input_batch import SeqInput, StepInput
 from loraserve.worker.model_runner import ModelRunner
@@ -79,11 +80,6 @@ def make_step(runner: ModelRunner, num_decodes: int, chunk: int, context: int,
         seqs.append(SeqInput("p", [5] * chunk, 0, blocks(chunk),
                              adapters[num_decodes % len(adapters)], row))
     return StepInput(seqs)
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        sync()
 
 
 def time_step(runner: ModelRunner, step: StepInput, slots: dict[str, int],
@@ -142,10 +138,10 @@ def main(argv: list[str] | None = None) -> dict:
         enable_prefix_caching=False,
     )
     runner = ModelRunner(config)
-    paths = sorted(Path(args.adapters).iterdir())[: args.num_adapters]
-    names = [path.name for path in paths]
-    for i, path in enumerate(paths):
-        runner.loras.add(LoRARequest(path.name, i + 1, str(path)))
+    loras = adapter_requests(Path(args.adapters), args.num_adapters)
+    names = [lora.lora_name for lora in loras]
+    for lora in loras:
+        runner.loras.add(lora)
     slots = runner.loras.set_active(set(names))
 
     rows = []
@@ -159,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     kinds = sorted({k for r in rows for k in r if k.endswith("_ms")} - {
         "host_ms", "wall_ms", "device_ms"})
-    lines = [f"Machine: {machine()}", "Command: python " + " ".join(sys.argv), "",
+    lines = [f"Machine: {machine()}", "Command: python " + " ".join(command_words()[1:]), "",
              "| decodes | chunk | model | host ms | wall ms | device ms | kernels | "
              + " | ".join(k.removesuffix("_ms") for k in kinds) + " |",
              "|---" * (7 + len(kinds)) + "|"]

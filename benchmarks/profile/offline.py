@@ -2,24 +2,24 @@
 model and spread over adapters, first timed, then once each under the torch
 profiler, with the GPU time of every kernel summed by name and by kind. A
 prefill-only pass (one output token) splits the overhead into prefill and decode.
-For finding overhead, not for headline numbers (offline.py gives those).
+For finding overhead, not for headline numbers (benchmarks/offline.py gives those).
 
-    python benchmarks/profile_offline.py --model /tmp/bench/llama3-8b-shape \
+    python -m benchmarks.profile.offline --model /tmp/bench/llama3-8b-shape \
         --load-format dummy --adapters /tmp/bench/adapters --out /tmp/profile_offline
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-from offline import machine, make_prompts, mixed_adapters
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.profile.timing import sync, timed
+from benchmarks.results import machine, write_results
+from benchmarks.workload import make_prompts, mixed_adapters
 from loraserve import LLM, SamplingParams
 
 # Kernel kinds by name: the first pattern found in a kernel's name wins.
@@ -39,19 +39,6 @@ def kind_of(name: str) -> str:
         if any(p in name for p in patterns):
             return kind
     return "other"
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(llm: LLM, prompts, params, loras) -> float:
-    sync()
-    start = time.perf_counter()
-    llm.generate(prompts, params, loras, use_tqdm=False)
-    sync()
-    return time.perf_counter() - start
 
 
 def kernel_times(llm: LLM, prompts, params, loras) -> dict[str, float]:
@@ -111,8 +98,7 @@ def main() -> None:
     results["lora_overhead_s"] = {
         phase: s[f"{phase} lora"] - s[f"{phase} base"] for phase in phases
     }
-    print(json.dumps(results, indent=2))
-    (args.out / "profile_offline.json").write_text(json.dumps(results, indent=2))
+    write_results(results, args.out / "profile_offline.json")
 
 
 if __name__ == "__main__":

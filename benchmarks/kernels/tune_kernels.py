@@ -1,6 +1,6 @@
 """Tune the LoRA shrink/expand launch configs per shape class; write the JSON the kernels read.
 
-    python benchmarks/tune_kernels.py --out kernels/configs/NVIDIA_H200.json
+    python -m benchmarks.kernels.tune_kernels --out kernels/configs/NVIDIA_H200.json
 
 Shape classes are (T bucket, K or total N, padded rank, slices) as in
 ``loraserve.kernels.lora_config``. For each class a coordinate descent starts

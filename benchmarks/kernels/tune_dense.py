@@ -2,7 +2,7 @@
 
 Run on a CUDA machine:
 
-    python benchmarks/tune_dense.py --out kernels/configs/NVIDIA_H200.json --merge \
+    python -m benchmarks.kernels.tune_dense --out kernels/configs/NVIDIA_H200.json --merge \
         --tokens 32 16 64 --md dense.md
 
 For each linear layer of the Llama-3-8B shape (qkv, o, gate/up, down, lm_head)
@@ -27,9 +27,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from lora_op import copy_bandwidth, median_replay_ms  # benchmarks/lora_op.py
 from loraserve.kernels import dense_gemm
 from loraserve.kernels import lora_config as lc
+
+from benchmarks.kernels.timing import copy_bandwidth, median_replay_ms
 
 # (name, N, K) of the Llama-3-8B shape, and how many of each a decode step runs.
 SHAPES = [

@@ -2,7 +2,7 @@
 time of each part of an engine step, and the top CUDA kernels of an eager
 forward. For finding overhead, not for headline numbers.
 
-    python benchmarks/profile_decode.py --model /tmp/bench/llama3-8b-shape \
+    python -m benchmarks.profile.decode --model /tmp/bench/llama3-8b-shape \
         --load-format dummy --batch 32 --out /tmp/profile
 """
 
@@ -11,15 +11,15 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import time
 from pathlib import Path
 
 import torch
-from lora_op import replay_ms  # benchmarks/lora_op.py
-from offline import machine, make_prompts
 
+from benchmarks.kernels.timing import replay_ms
+from benchmarks.results import machine, write_results
+from benchmarks.workload import make_prompts
 from loraserve import LLM, SamplingParams
 from loraserve.engine.output_processor import OutputProcessor
 
@@ -105,8 +105,7 @@ def main() -> None:
     runner.graphs = graphs_saved
     (args.out / "eager_profile.txt").write_text(
         eprof.key_averages().table(sort_by=sort_key, row_limit=40))
-    print(json.dumps(results, indent=2))
-    (args.out / "profile.json").write_text(json.dumps(results, indent=2))
+    write_results(results, args.out / "profile.json")
 
 
 if __name__ == "__main__":

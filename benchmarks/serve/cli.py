@@ -1,0 +1,130 @@
+"""Serving benchmark against a running `loraserve serve`.
+
+Sends --num-requests streamed completions (random token-id prompts of --input-len,
+exactly --output-len tokens each through ignore_eos) at a Poisson or fixed request
+rate, each to the base model or to one of the server's adapters (uniform or Zipf),
+and reports request and token throughput, TTFT, TPOT, ITL and end-to-end latency.
+
+    loraserve serve /tmp/bench/llama3-8b-shape --load-format dummy --enable-lora \
+        --max-loras 8 --lora-modules a0=/tmp/bench/adapters/a0 ...
+    python -m benchmarks.serve http://127.0.0.1:8000 --num-requests 512 \
+        --request-rate 8 --arrival fixed --num-adapters 64 --adapter-dist zipf \
+        --input-len 512 --output-len 128 --json serve.json
+
+Lengths may be ranges (``--input-len 128:1024`` draws each prompt's length
+uniformly). ``--phases base,lora,base,lora`` runs the workload once per phase
+in one invocation, each phase sending every request to the base model or to the
+adapters, and reports the ratio of the LoRA phases' median output throughput to
+the base phases' (``Served LoRA/base``): alternating phases on one server cancel
+drift of the machine. ``--num-clients N`` splits each run over N client
+processes (each with its share of --max-concurrency), so that the client's own
+Python does not bound a fast server.
+
+load.py generates the load, runs.py finds what the server serves and runs the
+phases, report.py computes and prints the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from benchmarks.serve.report import format_table
+from benchmarks.serve.runs import run_benchmark
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def rate(value: str) -> float:
+    parsed = float(value)  # accepts "inf"
+    if not parsed > 0:
+        raise argparse.ArgumentTypeError("the request rate must be > 0 (or inf)")
+    return parsed
+
+
+def lengths(value: str) -> tuple[int, int]:
+    """N, or LO:HI for lengths drawn uniformly from [LO, HI]."""
+    low, _, high = value.partition(":")
+    bounds = (int(low), int(high or low))
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError("a length is N or LO:HI with 1 <= LO <= HI")
+    return bounds
+
+
+def phase_list(value: str) -> list[str]:
+    phases = [p.strip() for p in value.split(",") if p.strip()]
+    if not phases or any(p not in ("base", "lora") for p in phases):
+        raise argparse.ArgumentTypeError("--phases is a comma-separated list of base and lora")
+    return phases
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("base_url", nargs="?", default=DEFAULT_URL,
+                   help=f"the server's address (default {DEFAULT_URL})")
+    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--request-rate", type=rate, default=float("inf"),
+                   help="requests per second, or inf to send all at once")
+    p.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson",
+                   help="gaps between requests: exponential (Poisson) or exactly 1/rate")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="at most this many requests in flight (default: no cap)")
+    p.add_argument("--num-adapters", type=int, default=None,
+                   help="use the first N adapters (default: all of them)")
+    p.add_argument("--adapter-names", nargs="+", default=None,
+                   help="adapters to use, in popularity order (default: /v1/models)")
+    p.add_argument("--adapter-dist", choices=["uniform", "zipf"], default="uniform")
+    p.add_argument("--zipf-s", type=float, default=1.1, help="the Zipf exponent")
+    p.add_argument("--base-fraction", type=float, default=0.0,
+                   help="share of requests sent to the base model")
+    p.add_argument("--input-len", type=lengths, default=(512, 512),
+                   help="prompt tokens: N, or LO:HI drawn uniformly per request")
+    p.add_argument("--output-len", type=lengths, default=(128, 128),
+                   help="output tokens: N, or LO:HI drawn uniformly per request")
+    p.add_argument("--phases", type=phase_list, default=None,
+                   help="e.g. base,lora,base,lora: one run per phase, all to the base "
+                        "model or all to the adapters, and the LoRA/base ratio")
+    p.add_argument("--num-clients", type=int, default=1,
+                   help="client processes, each with its share of --max-concurrency")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="for the random prompts (default: probed through /detokenize)")
+    p.add_argument("--warmup-requests", type=int, default=0,
+                   help="untimed requests sent one by one before the run")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds before a request counts as failed")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = p.parse_args(argv)
+    if args.num_requests < 1:
+        p.error("--num-requests must be at least 1")
+    if args.num_clients < 1:
+        p.error("--num-clients must be at least 1")
+    if args.max_concurrency is not None and args.max_concurrency < args.num_clients:
+        p.error("--max-concurrency must be at least --num-clients")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        p.error("--max-concurrency must be at least 1")
+    if args.num_adapters is not None and args.num_adapters < 0:
+        p.error("--num-adapters must be at least 0")
+    if not 0.0 <= args.base_fraction <= 1.0:
+        p.error("--base-fraction must be in [0, 1]")
+    if args.request_timeout <= 0:
+        p.error("--request-timeout must be > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run from the command line (argv None) or from a test; returns the results."""
+    args = parse_args(argv)
+    results = run_benchmark(args)
+    if argv is not None:
+        # Called from Python: record the arguments that were really used.
+        results["command"] = shlex.join(["python", "-m", "benchmarks.serve", *argv])
+    print(format_table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return results

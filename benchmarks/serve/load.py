@@ -1,0 +1,209 @@
+"""Load generation: when each request goes, to which model, with which prompt
+and lengths, and one streamed completion timed from send to [DONE]."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+try:
+    import httpx
+except ImportError:  # the GPU machine's image has the drop-in fork only
+    import httpx2 as httpx
+
+
+def arrival_offsets(num: int, rate: float, arrival: str, rng: random.Random) -> list[float]:
+    """Send time of each request, in seconds from the start of the run.
+
+    An infinite rate sends everything at once. A Poisson process has exponential
+    gaps of mean 1/rate; a fixed one has gaps of exactly 1/rate. The first request
+    goes at 0 either way, so the run does not start with an idle gap.
+    """
+    if math.isinf(rate):
+        return [0.0] * num
+    offsets, now = [], 0.0
+    for i in range(num):
+        if i:
+            now += rng.expovariate(rate) if arrival == "poisson" else 1.0 / rate
+        offsets.append(now)
+    return offsets
+
+
+def adapter_weights(num: int, dist: str, zipf_s: float) -> list[float]:
+    """Probability of each adapter, by its rank in the list (the first is the most
+    popular under Zipf: p_k proportional to 1 / k**s)."""
+    if num == 0:
+        return []
+    raw = [1.0] * num if dist == "uniform" else [1.0 / (k ** zipf_s) for k in range(1, num + 1)]
+    total = sum(raw)
+    return [w / total for w in raw]
+
+
+def pick_models(num: int, base: str, adapters: list[str], dist: str, zipf_s: float,
+                base_fraction: float, rng: random.Random) -> list[str]:
+    """The model name of each request: the base with probability base_fraction
+    (always when there are no adapters), else an adapter drawn from the distribution."""
+    weights = adapter_weights(len(adapters), dist, zipf_s)
+    models = []
+    for _ in range(num):
+        if not adapters or rng.random() < base_fraction:
+            models.append(base)
+        else:
+            models.append(rng.choices(adapters, weights=weights)[0])
+    return models
+
+
+def random_prompts(num: int, input_len: int, vocab_size: int,
+                   rng: random.Random) -> list[list[int]]:
+    """Random token ids, away from the ends of the vocabulary where tokenizers
+    usually keep their special tokens (a tiny vocabulary keeps the whole range)."""
+    margin = min(100, vocab_size // 4)
+    low, high = margin, vocab_size - margin
+    return [[rng.randrange(low, high) for _ in range(input_len)] for _ in range(num)]
+
+
+def draw_lengths(num: int, bounds: tuple[int, int], rng: random.Random) -> list[int]:
+    low, high = bounds
+    return [rng.randint(low, high) for _ in range(num)]
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    model: str
+    prompt_len: int
+    max_tokens: int
+    scheduled_s: float  # planned send time, from the start of the run
+    start_s: float = 0.0  # actual send time, from the start of the run
+    success: bool = False
+    error: str | None = None
+    output_tokens: int = 0
+    served_model: str | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    tpot_s: float | None = None
+    num_chunks: int = 0
+    # Gaps between successive content chunks; kept out of the JSON (it can be large).
+    itl_s: list[float] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        del data["itl_s"]
+        return data
+
+
+@dataclass
+class Target:
+    """What every run of one invocation talks to."""
+
+    url: str  # the completions endpoint
+    headers: dict[str, str]
+    base: str
+    adapters: list[str]
+    vocab_size: int
+
+
+def payload(record: RequestRecord, prompt: list[int]) -> dict[str, Any]:
+    return {
+        "model": record.model, "prompt": prompt, "max_tokens": record.max_tokens,
+        "ignore_eos": True, "temperature": 0.0, "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, headers: dict[str, str],
+                            payload: dict[str, Any], record: RequestRecord, run_start: float,
+                            timeout_s: float) -> None:
+    """Send one streamed completion and fill record with its timings.
+
+    TTFT runs to the first chunk with a choice in it; the usage chunk that ends
+    the stream carries the token count, since the server folds tokens that
+    decode to no text into the next chunk (so chunks can be fewer than tokens).
+    """
+    start = time.perf_counter()
+    record.start_s = start - run_start
+    last = None
+    usage_tokens = None
+    done = False
+    try:
+        # httpx's timeouts bound each read, not the whole request: bound it here.
+        async with asyncio.timeout(timeout_s):
+            async with client.stream("POST", url, json=payload, headers=headers) as response:
+                if response.status_code != 200:
+                    body = (await response.aread()).decode(errors="replace")
+                    record.error = f"HTTP {response.status_code}: {body[:300]}"
+                    return
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue  # blank separators and SSE comments
+                    data = line[len("data:"):].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    now = time.perf_counter()
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        record.error = f"stream error: {chunk['error'].get('message')}"
+                        return
+                    if chunk.get("usage"):
+                        usage_tokens = chunk["usage"].get("completion_tokens")
+                    if not chunk.get("choices"):
+                        continue
+                    record.served_model = chunk.get("model")
+                    record.num_chunks += 1
+                    if last is None:
+                        record.ttft_s = now - start
+                    else:
+                        record.itl_s.append(now - last)
+                    last = now
+    except TimeoutError:
+        record.error = f"timed out after {timeout_s:g} s"
+        return
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+        return
+    record.e2e_s = time.perf_counter() - start
+    if not done:
+        record.error = "the stream ended before [DONE]"
+        return
+    if record.ttft_s is None:
+        record.error = "the stream ended without output"
+        return
+    record.output_tokens = usage_tokens if usage_tokens is not None else record.num_chunks
+    if record.output_tokens > 1:
+        record.tpot_s = (record.e2e_s - record.ttft_s) / (record.output_tokens - 1)
+    record.success = True
+
+
+async def send_requests(args: argparse.Namespace, target: Target, records: list[RequestRecord],
+                        prompts: dict[int, list[int]], max_concurrency: int | None) -> None:
+    """Send `records` at their scheduled times, at most max_concurrency at once."""
+    # No connection cap: httpx's default pool of 100 would queue requests inside
+    # the client, and that wait would be counted as server latency.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # Each completion is bounded as a whole by --request-timeout in stream_completion.
+    timeout = httpx.Timeout(max(args.request_timeout, 30.0))
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        run_start = time.perf_counter()
+
+        async def one(record: RequestRecord) -> None:
+            delay = run_start + record.scheduled_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            body = payload(record, prompts[record.index])
+            if semaphore is None:
+                await stream_completion(client, target.url, target.headers, body, record,
+                                        run_start, args.request_timeout)
+                return
+            async with semaphore:
+                await stream_completion(client, target.url, target.headers, body, record,
+                                        run_start, args.request_timeout)
+
+        await asyncio.gather(*(one(r) for r in records))
