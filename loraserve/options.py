@@ -19,7 +19,7 @@ class Option:
     help: str
     group: str | None = None  # the --help section; None: the parser's own
     aliases: tuple[str, ...] = ()  # short forms such as -tp
-    type: Callable[[str], Any] | None = None  # default: int or float after the default
+    type: Callable[[str], Any] | None = None  # None: int or float when the default is one
     choices: Sequence[Any] | None = None
     nargs: str | None = None
     metavar: str | None = None
@@ -76,11 +76,11 @@ def _argparse_kwargs(f: dataclasses.Field, opt: Option) -> dict[str, Any]:
     if default is True:
         return {**kwargs, "action": argparse.BooleanOptionalAction, "default": None}
     kwargs["default"] = None if opt.needs_lora else default
-    kwargs["type"] = opt.type or (type(default) if isinstance(default, int | float) else None)
-    for name in ("choices", "nargs", "metavar"):
-        if getattr(opt, name) is not None:
-            kwargs[name] = getattr(opt, name)
-    return {k: v for k, v in kwargs.items() if v is not None or k == "default"}
+    parse = opt.type or (type(default) if isinstance(default, int | float) else None)
+    if parse is not None:
+        kwargs["type"] = parse
+    return kwargs | {name: getattr(opt, name) for name in ("choices", "nargs", "metavar")
+                     if getattr(opt, name) is not None}
 
 
 def option_values(namespace: argparse.Namespace, cls: type) -> dict[str, Any]:
@@ -91,6 +91,7 @@ def option_values(namespace: argparse.Namespace, cls: type) -> dict[str, Any]:
 
 
 def lora_only(cls: type) -> list[dataclasses.Field]:
+    """The fields of `cls` whose flags need --enable-lora."""
     return [f for f, opt in options(cls) if opt.needs_lora]
 
 
