@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from loraserve.options import OptionError, is_set, lora_only, option, positive_int
+
 SUPPORTED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _DTYPES = {
     "float32": torch.float32,
@@ -104,165 +106,228 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
-    def from_kwargs(
-        cls,
-        model: str,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        kv_cache_memory_bytes: int | None = None,
-        enforce_eager: bool = False,
-        load_format: str = "auto",
-        served_model_name: str | None = None,
-        enable_lora: bool = False,
-        max_loras: int = 1,
-        max_lora_rank: int = 16,
-        max_cpu_loras: int | None = None,
-        lora_dtype: str = "auto",
-        lora_target_modules: list[str] | None = None,
-        specialize_active_lora: bool = False,
-        cudagraph_mode: str = "FULL_DECODE_ONLY",
-        async_scheduling: bool = True,
-        trust_remote_code: bool = False,
-        revision: str | None = None,
-        tokenizer_revision: str | None = None,
-        download_dir: str | None = None,
-        enable_prefix_caching: bool = True,
-        tensor_parallel_size: int = 1,
-        fully_sharded_loras: bool = False,
-    ) -> EngineConfig:
-        """Build and validate a config from vLLM-style keyword arguments."""
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """Build and validate a config from vLLM-style keyword arguments (EngineArgs')."""
+        return EngineArgs(model, **kwargs).create_engine_config()
+
+
+def _engine(default: Any = None, **meta: Any) -> Any:
+    return option(default, group="Engine", **meta)
+
+
+def _lora(default: Any = None, **meta: Any) -> Any:
+    return option(default, group="LoRA", needs_lora=True, **meta)
+
+
+@dataclass
+class EngineArgs:
+    """The engine's options as given: `loraserve serve`'s engine flags (generated
+    from these fields) and the keyword arguments of LLM(...) and
+    EngineConfig.from_kwargs. Checked here once, on creation; what needs the model's
+    config (its length, its heads) is checked by create_engine_config."""
+
+    model: str = option(help="Same as the positional MODEL.")
+    tokenizer: str | None = _engine(help="Tokenizer folder (default: MODEL).")
+    revision: str | None = _engine(
+        help="Branch, tag or commit of a Hub repo MODEL (refused for a local folder or "
+        "a built-in model).")
+    tokenizer_revision: str | None = _engine(
+        help="Branch, tag or commit of a Hub repo tokenizer (default: --revision).")
+    download_dir: str | None = _engine(
+        help="Hugging Face Hub cache folder to download a Hub repo MODEL or tokenizer "
+        "into (default: the Hub's own cache).")
+    trust_remote_code: bool = _engine(
+        False, help="Let transformers run code that a model's config or tokenizer ships (a "
+        "tokenizer that needs it then loads). The model always runs loraserve's own "
+        "implementation: no model code from the repo runs.")
+    dtype: str = _engine("auto", choices=["auto", "half", "float16", "bfloat16", "float",
+                                           "float32"],
+                         help="Weight and activation dtype.")
+    max_model_len: int | None = _engine(
+        type=positive_int, help="Context length (prompt + output); default: the model's.")
+    max_num_seqs: int | None = _engine(
+        type=positive_int,
+        help="Most sequences per step (default: 256 on a GPU, 32 on the CPU).")
+    max_num_batched_tokens: int | None = _engine(
+        type=positive_int, help="Token budget per step; a longer prefill is chunked over "
+        "several steps (default: 8192 on a GPU, 2048 on the CPU).")
+    block_size: int = _engine(16, type=positive_int, help="KV block size.")
+    gpu_memory_utilization: float = _engine(
+        0.9, help="Fraction of GPU memory for weights, activations and the KV cache.")
+    device: str = _engine("auto", choices=["auto", "cuda", "cpu"],
+                          help="Where to run the model (auto: cuda when available).")
+    enforce_eager: bool = _engine(False, help="Never use CUDA graphs.")
+    cudagraph_mode: str = _engine(
+        "FULL_DECODE_ONLY", type=str.upper, choices=list(CUDAGRAPH_MODES),
+        help="Which steps replay CUDA graphs: FULL_DECODE_ONLY (default) captures decode "
+        "steps whole; FULL_AND_PIECEWISE also captures the other steps (prefill chunks, "
+        "prefill beside decodes) per token-count bucket in pieces, with attention run "
+        "eagerly between them; NONE is --enforce-eager.")
+    specialize_active_lora: bool = _engine(
+        False, help="Also capture CUDA graphs without the LoRA ops, for steps that use no "
+        "adapter (by default one graph set serves both).")
+    async_scheduling: bool = _engine(
+        True, help="Schedule and launch each step before the previous step's tokens are back "
+        "on the host, so scheduling overlaps the GPU (default: on). Steps with requests that "
+        "use repetition, frequency or presence penalties wait for them as before.")
+    enable_prefix_caching: bool = _engine(
+        True, help="Reuse the KV cache blocks of a prompt prefix that an earlier request "
+        "(with the same adapter, or none) computed (default: on).")
+    tensor_parallel_size: int = _engine(
+        1, aliases=("-tp",), type=positive_int,
+        help="Split the model over this many GPUs (or CPU processes), one process each: "
+        "attention heads and MLP columns are sharded, the embedding and lm_head "
+        "replicated (default: 1).")
+    seed: int = _engine(0, help="Random seed (default: 0).")
+    load_format: str = _engine(
+        "auto", choices=["auto", "dummy"],
+        help="dummy: random weights from the model's config, for benchmarks.")
+
+    enable_lora: bool = option(False, group="LoRA", help="Serve LoRA adapters.")
+    max_loras: int = _lora(1, type=positive_int,
+                           help="Most distinct adapters in one step (device slots; default: 1).")
+    max_lora_rank: int = _lora(16, choices=SUPPORTED_LORA_RANKS,
+                               help="Largest adapter rank served (default: 16).")
+    max_cpu_loras: int | None = _lora(
+        type=positive_int, help="Adapters kept in CPU memory (default: --max-loras).")
+    lora_dtype: str = _lora("auto", choices=["auto", "float16", "bfloat16", "float32"],
+                            help="dtype of the adapter weights (default: auto, the model's).")
+    lora_target_modules: list[str] | None = _lora(
+        nargs="+", help="Only these modules get LoRA (default: every supported module).")
+    fully_sharded_loras: bool = _lora(
+        False, help="With --tensor-parallel-size > 1, also shard A of column-parallel layers "
+        "and B of row-parallel ones, gathering the small rank dimension instead "
+        "(default: A replicated for column-parallel layers, B for row-parallel ones).")
+
+    # Not flags: for tests and benchmarks.
+    num_kv_blocks: int | None = None  # None: sized from memory at start-up
+    kv_cache_memory_bytes: int | None = None
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise OptionError(f"{{{name}}} must be >= 1, got {{value}}", value=value)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise OptionError("{gpu_memory_utilization} must be in (0, 1], got {value}",
+                              value=self.gpu_memory_utilization)
+        self.cudagraph_mode = self.cudagraph_mode.upper()
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise OptionError("{cudagraph_mode} must be one of {modes}, not {value!r}",
+                              modes=", ".join(CUDAGRAPH_MODES), value=self.cudagraph_mode)
+        if self.cudagraph_mode == "NONE":
+            self.enforce_eager = True
+        if self.load_format not in ("auto", "dummy", "safetensors"):
+            raise OptionError("{load_format} must be auto, safetensors or dummy, not {value!r}",
+                              value=self.load_format)
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise OptionError("{tensor_parallel_size} must be a positive integer, got {value!r}",
+                              value=size)
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if not self.enable_lora:
+            # The LoRA options with a default of their own (max_loras, ...) are
+            # ignored without LoRA, as in vLLM; the others would be silently lost.
+            given = [f.name for f in lora_only(EngineArgs)
+                     if not is_set(f.default) and is_set(getattr(self, f.name))]
+            if given:
+                names = ", ".join(f"{{{name}}}" for name in given)
+                raise OptionError(f"{names} {'was' if len(given) == 1 else 'were'} given "
+                                  "without {enable_lora}")
+            return
+        if self.max_lora_rank not in SUPPORTED_LORA_RANKS:
+            raise OptionError("{max_lora_rank} {value} is not supported; use one of {ranks}",
+                              value=self.max_lora_rank, ranks=list(SUPPORTED_LORA_RANKS))
+        if self.max_loras < 1:
+            raise OptionError("{max_loras} must be >= 1, got {value}", value=self.max_loras)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise OptionError("{max_cpu_loras} ({value}) must be at least {max_loras} ({limit})",
+                              value=self.max_cpu_loras, limit=self.max_loras)
+        if self.fully_sharded_loras and self.max_lora_rank % self.tensor_parallel_size:
+            raise OptionError(
+                "{fully_sharded_loras} splits the LoRA rank over the ranks: {max_lora_rank} "
+                "{rank} is not a multiple of {tensor_parallel_size} {size}",
+                rank=self.max_lora_rank, size=self.tensor_parallel_size)
+
+    def create_engine_config(self) -> EngineConfig:
+        """The engine's config: the model, the tokenizer and the device resolved, and
+        the rest checked against the model's config."""
         from transformers import AutoConfig
 
         from loraserve.model.registry import check_architecture
 
-        model_path = resolve_model_path(model, revision, download_dir, "revision")
-        tokenizer_path = model_path
-        if tokenizer:
-            tokenizer_path = resolve_model_path(tokenizer, tokenizer_revision, download_dir,
-                                                "tokenizer_revision")
-        elif tokenizer_revision is not None and tokenizer_revision != revision:
-            # The tokenizer is the model's files: another revision of them is a download.
-            tokenizer_path = resolve_model_path(model, tokenizer_revision, download_dir,
-                                                "tokenizer_revision")
-        hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        model_path, tokenizer_path = self._resolve_paths()
+        hf_config = AutoConfig.from_pretrained(model_path,
+                                               trust_remote_code=self.trust_remote_code)
         check_architecture(hf_config)
-
-        dev = resolve_device(device)
-        model_dtype = resolve_model_dtype(dtype, hf_config, dev)
-
+        device = resolve_device(self.device)
+        model_dtype = resolve_model_dtype(self.dtype, hf_config, device)
         max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
-        if max_model_len is None:
-            max_model_len = max_pos
-        if max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        max_model_len = max_pos if self.max_model_len is None else self.max_model_len
         if max_model_len > max_pos:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's "
-                f"max_position_embeddings {max_pos}"
-            )
-        if max_num_seqs is None:
-            max_num_seqs = 256 if dev.type == "cuda" else 32
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 8192 if dev.type == "cuda" else 2048
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
-            )
-        cudagraph_mode = cudagraph_mode.upper()
-        if cudagraph_mode not in CUDAGRAPH_MODES:
-            raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, "
-                             f"not {cudagraph_mode!r}")
-        if cudagraph_mode == "NONE":
-            enforce_eager = True
-        if load_format not in ("auto", "dummy", "safetensors"):
-            raise ValueError(f"load_format must be auto, safetensors or dummy, not {load_format!r}")
-
-        _check_tensor_parallel(tensor_parallel_size, hf_config, dev)
-        if fully_sharded_loras and not enable_lora:
-            raise ValueError("fully_sharded_loras was given without enable_lora")
-        if fully_sharded_loras and max_lora_rank % tensor_parallel_size:
-            raise ValueError(
-                f"fully_sharded_loras splits the LoRA rank over the ranks: max_lora_rank "
-                f"{max_lora_rank} is not a multiple of tensor_parallel_size "
-                f"{tensor_parallel_size}"
-            )
-        lora_config = None
-        if enable_lora:
-            if max_lora_rank not in SUPPORTED_LORA_RANKS:
-                raise ValueError(
-                    f"max_lora_rank {max_lora_rank} is not supported; use one of "
-                    f"{list(SUPPORTED_LORA_RANKS)}"
-                )
-            if max_loras < 1:
-                raise ValueError(f"max_loras must be >= 1, got {max_loras}")
-            if max_cpu_loras is None:
-                max_cpu_loras = max_loras
-            if max_cpu_loras < max_loras:
-                raise ValueError(
-                    f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})"
-                )
-            lora_config = LoRAConfig(
-                max_loras=max_loras,
-                max_lora_rank=max_lora_rank,
-                max_cpu_loras=max_cpu_loras,
-                lora_dtype=model_dtype if lora_dtype == "auto" else parse_dtype(lora_dtype),
-                target_modules=list(lora_target_modules) if lora_target_modules else None,
-                fully_sharded_loras=fully_sharded_loras,
-            )
-        elif max_cpu_loras is not None or lora_target_modules:
-            raise ValueError("LoRA options were given without enable_lora")
-
-        return cls(
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings {max_pos}")
+        _check_tensor_parallel(self.tensor_parallel_size, hf_config, device)
+        on_gpu = device.type == "cuda"
+        return EngineConfig(
             model_config=ModelConfig(
-                model=model_path,
-                tokenizer=tokenizer_path,
-                hf_config=hf_config,
-                dtype=model_dtype,
-                max_model_len=max_model_len,
-                seed=seed,
-                load_format=load_format,
-                served_model_name=served_model_name or model,
-                trust_remote_code=trust_remote_code,
+                model=model_path, tokenizer=tokenizer_path, hf_config=hf_config,
+                dtype=model_dtype, max_model_len=max_model_len, seed=self.seed,
+                load_format=self.load_format,
+                served_model_name=self.served_model_name or self.model,
+                trust_remote_code=self.trust_remote_code,
             ),
             cache_config=CacheConfig(
-                block_size=block_size,
-                num_kv_blocks=num_kv_blocks,
-                gpu_memory_utilization=gpu_memory_utilization,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                enable_prefix_caching=enable_prefix_caching,
+                block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler_config=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs or (256 if on_gpu else 32),
+                max_num_batched_tokens=self.max_num_batched_tokens or (8192 if on_gpu else 2048),
                 max_model_len=max_model_len,
             ),
-            lora_config=lora_config,
-            device=dev,
-            enforce_eager=enforce_eager,
-            specialize_active_lora=specialize_active_lora,
-            cudagraph_mode=cudagraph_mode,
-            async_scheduling=async_scheduling,
-            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            lora_config=self._lora_config(model_dtype),
+            device=device,
+            enforce_eager=self.enforce_eager,
+            specialize_active_lora=self.specialize_active_lora,
+            cudagraph_mode=self.cudagraph_mode,
+            async_scheduling=self.async_scheduling,
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+        )
+
+    def _resolve_paths(self) -> tuple[str, str]:
+        """The local folders of the model and of its tokenizer."""
+        model_path = resolve_model_path(self.model, self.revision, self.download_dir, "revision")
+        if self.tokenizer:
+            return model_path, resolve_model_path(self.tokenizer, self.tokenizer_revision,
+                                                  self.download_dir, "tokenizer_revision")
+        if self.tokenizer_revision is not None and self.tokenizer_revision != self.revision:
+            # The tokenizer is the model's files: another revision of them is a download.
+            return model_path, resolve_model_path(self.model, self.tokenizer_revision,
+                                                  self.download_dir, "tokenizer_revision")
+        return model_path, model_path
+
+    def _lora_config(self, model_dtype: torch.dtype) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras,
+            lora_dtype=model_dtype if self.lora_dtype == "auto" else parse_dtype(self.lora_dtype),
+            target_modules=list(self.lora_target_modules) if self.lora_target_modules else None,
+            fully_sharded_loras=self.fully_sharded_loras,
         )
 
 
 def _check_tensor_parallel(size: int, hf_config: Any, device: torch.device) -> None:
     from loraserve.model.llama import check_tensor_parallel
 
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
     if size == 1:
         return
     from loraserve.model.registry import MOE_ARCHITECTURES, check_architecture

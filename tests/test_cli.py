@@ -4,6 +4,7 @@ fail at once with a clear message (before any model loads)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import socket
 import subprocess
@@ -19,6 +20,11 @@ from loraserve.cli import (
     parse_lora_module,
     validate_serve_args,
 )
+from loraserve.config import SUPPORTED_LORA_RANKS, EngineArgs
+from loraserve.entrypoints.server_args import ServerArgs
+from loraserve.options import flag as flag_of
+from loraserve.options import lora_only, options
+from loraserve.ray.options import RayOptions
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -395,3 +401,95 @@ def test_bad_config_files_are_refused(tmp_path, text, message):
 
     with pytest.raises(CompatError, match=message):
         _config_args(tmp_path, text, "m")
+
+
+# ---- every flag is written once, on an option dataclass's field -------------------------
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    return next(a for a in build_parser()._actions
+                if isinstance(a, argparse._SubParsersAction)).choices[name]
+
+
+def _option_classes(command: str) -> list[type]:
+    return [EngineArgs, ServerArgs] + ([RayOptions] if command == "serve-ray" else [])
+
+
+def _compat_dests() -> set[str]:
+    from loraserve.cli_compat import add_vllm_compat_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_vllm_compat_arguments(parser)
+    return {a.dest for a in parser._actions}
+
+
+@pytest.mark.parametrize("command", ["serve", "serve-ray"])
+def test_every_flag_comes_from_an_option_field(command):
+    """The parser's flags are the option fields' (EngineArgs, ServerArgs, RayOptions),
+    plus the positional MODEL and vLLM's compatibility flags: none written by hand."""
+    fields = {f.name: (f, opt) for cls in _option_classes(command) for f, opt in options(cls)}
+    actions = {a.dest: a for a in _subparser(command)._actions
+               if not isinstance(a, argparse._HelpAction)}
+    assert set(actions) == set(fields) | {"model_tag"} | _compat_dests()
+    for name, (f, opt) in fields.items():
+        action = actions[name]
+        negated = ["--no-" + flag_of(name)[2:]] if f.default is True else []
+        assert action.option_strings == [flag_of(name), *opt.aliases, *negated]
+        assert action.help == opt.help
+        if opt.choices is not None:
+            assert list(action.choices) == list(opt.choices)
+        # The parser's default is the field's, except where "unset" must be told
+        # apart: a LoRA-only flag, and a --x/--no-x pair.
+        unset = (opt.needs_lora and f.default is not False or f.default is True
+                 or f.default is dataclasses.MISSING)
+        assert action.default == (None if unset else f.default), name
+
+
+def test_lora_ranks_and_the_lora_only_flags_are_the_configs():
+    actions = {a.dest: a for a in _subparser("serve")._actions}
+    assert tuple(actions["max_lora_rank"].choices) == SUPPORTED_LORA_RANKS
+    assert {flag_of(f.name) for cls in _option_classes("serve") for f in lora_only(cls)} == {
+        "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--lora-dtype",
+        "--lora-resolvers", "--lora-target-modules", "--fully-sharded-loras"}
+
+
+def _sample_words(action: argparse.Action) -> list[str]:
+    """The flag with a value it accepts."""
+    if action.nargs == 0:
+        return [action.option_strings[0]]
+    if action.choices is not None:
+        value = str(next(iter(action.choices)))
+    elif action.type is parse_lora_module:
+        value = "a=/adapters/a"
+    else:
+        value = "2"
+    return [action.option_strings[0], value]
+
+
+def _lora_only_actions() -> list[argparse.Action]:
+    names = {f.name for cls in _option_classes("serve") for f in lora_only(cls)}
+    return [a for a in _subparser("serve")._actions if a.dest in names]
+
+
+@pytest.mark.parametrize("action", _lora_only_actions(), ids=lambda a: a.option_strings[0])
+def test_each_lora_only_flag_is_refused_without_enable_lora(action):
+    words = _sample_words(action)
+    args = build_parser().parse_args(["serve", "m", *words])
+    with pytest.raises(ValueError, match=f"^{action.option_strings[0]} needs --enable-lora$"):
+        validate_serve_args(args)
+    # With --enable-lora the same flag is taken.
+    validate_serve_args(build_parser().parse_args(["serve", "m", "--enable-lora", *words]))
+
+
+def test_option_checks_name_fields_in_python_and_flags_on_the_command_line():
+    """One check, in EngineArgs, before anything loads: the offline API reads the
+    keyword argument's name, the command line the flag."""
+    with pytest.raises(ValueError, match=r"^max_cpu_loras \(2\) must be at least max_loras \(4\)$"):
+        EngineArgs("no/such/model", enable_lora=True, max_loras=4, max_cpu_loras=2)
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization must be in \(0, 1\]"):
+        EngineArgs("no/such/model", gpu_memory_utilization=0.0)
+    args = build_parser().parse_args(["serve", "m", "--enable-lora", "--max-loras", "4",
+                                      "--max-cpu-loras", "2"])
+    with pytest.raises(ValueError, match=r"^--max-cpu-loras \(2\) must be at least "
+                       r"--max-loras \(4\)$"):
+        validate_serve_args(args)

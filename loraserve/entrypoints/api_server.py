@@ -48,13 +48,13 @@ from loraserve.entrypoints.protocol import (
 )
 from loraserve.entrypoints.request_logger import RequestLoggingEngine
 from loraserve.entrypoints.request_tokenizer import RequestTokenizer
+from loraserve.entrypoints.server_args import CORSPolicy, ServerArgs
 from loraserve.entrypoints.serving_chat import OpenAIServingChat
 from loraserve.entrypoints.serving_common import ModelLimits
 from loraserve.entrypoints.serving_completion import OpenAIServingCompletion
-from loraserve.entrypoints.serving_models import LoRAModulePath, ServingModels
+from loraserve.entrypoints.serving_models import ServingModels
 from loraserve.entrypoints.serving_tokenization import OpenAIServingTokenization
 from loraserve.entrypoints.shutdown import (
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
     Drain,
     DrainingServer,
     shutting_down_error,
@@ -68,54 +68,26 @@ if TYPE_CHECKING:
 logger = logging.getLogger("loraserve.api_server")
 
 
-@dataclass
-class CORSPolicy:
-    """Starlette's CORSMiddleware settings; any origin by default, as in vLLM."""
-
-    allow_origins: list[str] = field(default_factory=lambda: ["*"])
-    allow_methods: list[str] = field(default_factory=lambda: ["*"])
-    allow_headers: list[str] = field(default_factory=lambda: ["*"])
-    allow_credentials: bool = False
-
-
-@dataclass
-class ServerSettings:
-    """Everything `loraserve serve` needs: the engine's config, validated once and
-    handed to the engine process as it is, and the API server's own settings."""
+@dataclass(kw_only=True)
+class ServerSettings(ServerArgs):
+    """Everything `loraserve serve` needs: the server's flags, the engine's config,
+    validated once and handed to the engine process as it is, and what both give."""
 
     engine_config: EngineConfig
     served_model_names: list[str]
     # `--model` as given (a Hub id, a directory): the base model card's `root`.
     # None: the directory the model was loaded from.
     model: str | None = None
-    host: str | None = None
-    port: int = 8000
-    api_key: str | None = None
-    lora_modules: list[LoRAModulePath] = field(default_factory=list)
-    # Resolver plugins to run (--lora-resolvers); None: $LORASERVE_PLUGINS, else all.
-    lora_resolvers: list[str] | None = None
     eos_token_id: int | None = None
     # Unset request fields take these (from the model's generation_config.json).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    uvicorn_log_level: str = "info"
-    # uvicorn's line per HTTP request (--disable-uvicorn-access-log turns it off).
-    access_log: bool = True
-    # The role of the chat answers to a generation prompt (--response-role).
-    response_role: str = "assistant"
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    trust_request_chat_template: bool = False
-    metrics_require_api_key: bool = False
-    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
-    # One log line per request (--enable-log-requests).
-    log_requests: bool = False
-    cors: CORSPolicy = field(default_factory=CORSPolicy)
-    # The prefix a reverse proxy serves the API under (--root-path).
-    root_path: str = ""
-    # HTTPS when both are set; client certificates checked against ssl_ca_certs.
-    ssl_keyfile: str | None = None
-    ssl_certfile: str | None = None
-    ssl_ca_certs: str | None = None
-    ssl_cert_reqs: int = 0
+
+    def __post_init__(self) -> None:
+        # Resolved here, where the flags are read: a Ray replica elsewhere gets the
+        # key this process had, not its own machine's environment.
+        self.api_key = self.api_key or envs.API_KEY.get() or None
+        self.lora_modules = self.lora_modules or []
+        self.root_path = self.root_path or ""
 
 
 @dataclass
@@ -321,7 +293,7 @@ def build_server_state(
     vocab_size = settings.engine_config.model_config.hf_config.vocab_size
     limits = ModelLimits(max_model_len, vocab_size)
     generator = (RequestLoggingEngine(engine, settings.served_model_names[0])
-                 if settings.log_requests else engine)
+                 if settings.enable_log_requests else engine)
     chat = OpenAIServingChat(generator, models, request_tokenizer, limits,
                              settings.sampling_defaults, settings.trust_request_chat_template,
                              settings.response_role)
@@ -385,12 +357,12 @@ async def serve(settings: ServerSettings, tokenizer: Any) -> int:
                                    ready.max_model_len, metrics)
         config = uvicorn.Config(
             build_app(state), log_level=settings.uvicorn_log_level, timeout_keep_alive=5,
-            access_log=settings.access_log,
+            access_log=not settings.disable_uvicorn_access_log,
             root_path=settings.root_path, ssl_keyfile=settings.ssl_keyfile,
             ssl_certfile=settings.ssl_certfile, ssl_ca_certs=settings.ssl_ca_certs,
             ssl_cert_reqs=settings.ssl_cert_reqs,
         )
-        server = DrainingServer(config, state.drain, settings.shutdown_timeout_s,
+        server = DrainingServer(config, state.drain, settings.shutdown_timeout,
                                 engine.fail_all_requests)
 
         async def stop_when_engine_dies() -> None:

@@ -5,6 +5,16 @@ Needs Ray Serve (`pip install 'loraserve[ray]'`); the rest of loraserve imports
 without it. See loraserve/ray/app.py and docs/scale-out.md.
 """
 
-from loraserve.ray.app import RayOptions, app_builder, build_application, run_application
+from typing import Any
 
 __all__ = ["RayOptions", "app_builder", "build_application", "run_application"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use, so that loraserve.ray.options (the `serve-ray` flags,
+    # which `loraserve --help` lists) imports without Ray.
+    if name in __all__:
+        from loraserve.ray import app
+
+        return getattr(app, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

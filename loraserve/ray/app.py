@@ -18,7 +18,6 @@ import os
 import shlex
 import signal
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
@@ -27,6 +26,7 @@ from loraserve import envs
 from loraserve.entrypoints.api_server import ServerSettings
 from loraserve.lora.request import LoRARequest
 from loraserve.ray.ingress import Ingress, ReplicaApp
+from loraserve.ray.options import RayOptions
 from loraserve.ray.registry import AdapterRegistry
 from loraserve.ray.replica import EngineReplica
 
@@ -42,21 +42,6 @@ WAITING_ONGOING_REQUESTS = 10_000
 # Serve's 2 s makes every deployment (one after the other) take 2 s to stop, idle
 # or not.
 SHUTDOWN_WAIT_LOOP_S = 0.1
-
-
-@dataclass
-class RayOptions:
-    """The `serve-ray` flags: how many replicas, what each reserves, which cluster."""
-
-    num_replicas: int = 1
-    # Set: Ray Serve's autoscaling runs between num_replicas and this.
-    max_replicas: int | None = None
-    target_ongoing_requests: float = 16.0
-    replica_num_cpus: float = 1.0
-    # None: one GPU when the engine runs on CUDA, else none.
-    replica_num_gpus: float | None = None
-    # None: $RAY_ADDRESS, else a local cluster.
-    address: str | None = None
 
 
 def static_loras(settings: ServerSettings) -> list[tuple[LoRARequest, bool]]:
@@ -100,7 +85,7 @@ def build_application(settings: ServerSettings, tokenizer: Any,
         EngineReplica, name="EngineReplica",
         max_ongoing_requests=max(MIN_ONGOING_REQUESTS, config.scheduler_config.max_num_seqs),
         ray_actor_options={"num_cpus": options.replica_num_cpus, "num_gpus": num_gpus},
-        graceful_shutdown_timeout_s=settings.shutdown_timeout_s,
+        graceful_shutdown_timeout_s=settings.shutdown_timeout,
         graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
         health_check_period_s=5,
         **scaling,
@@ -109,7 +94,7 @@ def build_application(settings: ServerSettings, tokenizer: Any,
     ingress = serve.deployment(
         serve.ingress(ReplicaApp())(Ingress), name="Ingress",
         max_ongoing_requests=WAITING_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
-        graceful_shutdown_timeout_s=settings.shutdown_timeout_s,
+        graceful_shutdown_timeout_s=settings.shutdown_timeout,
         graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
     )
     pinned = [lora.lora_name for lora, is_pinned in static if is_pinned]
@@ -138,7 +123,7 @@ def run_application(settings: ServerSettings, tokenizer: Any, options: RayOption
 
     # A cluster we join keeps running (and serving other applications) after us;
     # without one, a new cluster of our own ("local": never another one found here).
-    address = options.address or os.environ.get("RAY_ADDRESS")
+    address = options.ray_address or os.environ.get("RAY_ADDRESS")
     ray.init(address=address or "local", include_dashboard=False)
     # After ray.init, which installs handlers of its own that abort the process.
     stop = threading.Event()
