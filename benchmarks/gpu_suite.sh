@@ -72,21 +72,21 @@ if has tune; then
   # table the kernels read (kept entries: --merge), before the benchmarks run.
   stamp tune
   timeout "${TUNE_TIMEOUT:-150}" python3 -m benchmarks.kernels.tune_kernels --merge \
-      --out kernels/configs/NVIDIA_H200.json --classes ${TUNE_CLASSES:-gate_up down} \
+      --out loraserve/kernels/configs/NVIDIA_H200.json --classes ${TUNE_CLASSES:-gate_up down} \
       --tokens ${TUNE_TOKENS:-256 1024 4096} --ranks 16 --budget-s "${TUNE_BUDGET:-110}" ${TUNE_ARGS:-} \
       > "$OUT/tune.log" 2>&1
   echo "tune rc=$?" >> "$OUT/tune.log"
-  cp kernels/configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+  cp loraserve/kernels/configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
 fi
 
 if has dense; then
   stamp dense
   timeout "${DENSE_TIMEOUT:-300}" python3 -m benchmarks.kernels.tune_dense --merge \
-      --out kernels/configs/NVIDIA_H200.json --tokens ${DENSE_TOKENS:-32 16 64} \
+      --out loraserve/kernels/configs/NVIDIA_H200.json --tokens ${DENSE_TOKENS:-32 16 64} \
       --budget-s "${DENSE_BUDGET:-200}" --json "$OUT/dense.json" --md "$OUT/dense.md" \
       > "$OUT/dense.log" 2>&1
   echo "dense rc=$?" >> "$OUT/dense.log"
-  cp kernels/configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+  cp loraserve/kernels/configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
 fi
 
 if has tests; then

@@ -36,8 +36,8 @@ LORA_CONFIG = EnvVar(
     "",
     "Path of a tuned kernel-config table (the JSON that benchmarks/kernels/tune_kernels.py "
     "and benchmarks/kernels/tune_dense.py write) to use instead of the table shipped for "
-    "the GPU in use (kernels/configs/<GPU name>.json). Unset: the shipped table, or shape "
-    "heuristics on a GPU that has none.",
+    "the GPU in use (loraserve/kernels/configs/<GPU name>.json). Unset: the shipped table, or "
+    "shape heuristics on a GPU that has none.",
 )
 CACHE_DIR = EnvVar(
     "LORASERVE_CACHE_DIR",

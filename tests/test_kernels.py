@@ -218,7 +218,7 @@ def test_one_token():
 
 
 def silu_and_mul_torch(gate_up):
-    """silu(gate) * up, rounded as kernels/activation.py rounds."""
+    """silu(gate) * up, rounded as loraserve/kernels/activation.py rounds."""
     gate, up = gate_up.chunk(2, dim=-1)
     silu = torch.nn.functional.silu(gate.float()).to(gate.dtype)
     return (silu.float() * up.float()).to(gate.dtype)

@@ -1,12 +1,11 @@
 """The README's Offline snippet, run from the repository root on an install
 without Triton (a CPU install of ``.[gguf]``).
 
-From the root, the repo's top-level ``kernels/`` folder is importable as a
-module named ``kernels``, the name of a PyPI package that transformers probes
-for whenever it loads its modelling code: where that package is not installed,
-transformers 5 imports whatever ``kernels`` it finds to read its version. That
-import must neither need Triton nor make transformers believe the package is
-there.
+From the root, every top-level folder of the checkout is importable under its
+own name. ``kernels`` is the name of a PyPI package that transformers probes
+for, and imports from, whenever it loads its modelling code (newer releases
+depend on it): no folder of the checkout may answer to that name, or
+transformers would import our files in its place.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ from loraserve import LLM, LoRARequest, SamplingParams
 
 # Model loading imports transformers' modelling code, which probes for `kernels`.
 import transformers.modeling_utils
-from transformers.utils.import_utils import is_kernels_available
 
 llm = LLM(model="smollm2-135m-instruct", enable_lora=True, max_loras=2, max_lora_rank=16)
 out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4),
@@ -49,7 +47,6 @@ out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4),
                    use_tqdm=False)
 print(json.dumps({
     "text": out[0].outputs[0].text,
-    "kernels_available": is_kernels_available(),
     "triton_imported": "triton" in sys.modules,
     "kernels_module": getattr(sys.modules.get("kernels"), "__file__", None),
 }))
@@ -67,10 +64,9 @@ def test_readme_offline_snippet_runs_from_the_repo_root_without_triton():
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["text"], report
     assert not report["triton_imported"]
-    # Probed or not, the folder must not pass for the PyPI package.
-    assert not report["kernels_available"]
+    # Whatever `kernels` transformers found is not a folder of the checkout.
     if report["kernels_module"] is not None:
-        assert Path(report["kernels_module"]).parent == ROOT / "kernels"
+        assert ROOT not in Path(report["kernels_module"]).resolve().parents, report
 
 
 def test_every_subpackage_is_in_the_install():

@@ -2,8 +2,8 @@
 
 Run on a CUDA machine:
 
-    python -m benchmarks.kernels.tune_dense --out kernels/configs/NVIDIA_H200.json --merge \
-        --tokens 32 16 64 --md dense.md
+    python -m benchmarks.kernels.tune_dense --out loraserve/kernels/configs/NVIDIA_H200.json \
+        --merge --tokens 32 16 64 --md dense.md
 
 For each linear layer of the Llama-3-8B shape (qkv, o, gate/up, down, lm_head)
 and each batch size, it times a set of launch configs and torch's
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from loraserve.kernels import dense_gemm
-from loraserve.kernels import lora_config as lc
 
 from benchmarks.kernels.timing import copy_bandwidth, median_replay_ms
+from loraserve.kernels import dense_gemm
+from loraserve.kernels import lora_config as lc
 
 # (name, N, K) of the Llama-3-8B shape, and how many of each a decode step runs.
 SHAPES = [

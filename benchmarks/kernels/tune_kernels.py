@@ -1,6 +1,6 @@
 """Tune the LoRA shrink/expand launch configs per shape class; write the JSON the kernels read.
 
-    python -m benchmarks.kernels.tune_kernels --out kernels/configs/NVIDIA_H200.json
+    python -m benchmarks.kernels.tune_kernels --out loraserve/kernels/configs/NVIDIA_H200.json
 
 Shape classes are (T bucket, K or total N, padded rank, slices) as in
 ``loraserve.kernels.lora_config``. For each class a coordinate descent starts
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import triton.testing
+
 from loraserve.kernels import lora_config as lc
 from loraserve.kernels.lora_activation import launch_silu_and_mul
 from loraserve.kernels.lora_expand import launch_expand

@@ -79,11 +79,11 @@ class TritonOps(TorchOps):
         lora: ExpertsLoRA | None = None,
     ) -> torch.Tensor:
         # One grouped GEMM launch over all experts per projection, and the MoE
-        # LoRA over all (slot, expert) groups (kernels/moe_experts.py).
+        # LoRA over all (slot, expert) groups (loraserve/kernels/moe_experts.py).
         return fused_moe_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids, lora)
 
     def argmax(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        # One launch, not torch's reduce kernels (kernels/argmax.py).
+        # One launch, not torch's reduce kernels (loraserve/kernels/argmax.py).
         return argmax_rows(logits if logits.stride(1) == 1 else logits.contiguous(), out)
 
 

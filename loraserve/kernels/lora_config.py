@@ -5,7 +5,7 @@ A config is a small dict of block sizes, split-K factor, warps and stages. The
 lookup order is:
 
 1. a JSON file written by ``benchmarks/kernels/tune_kernels.py`` for the current GPU
-   (``kernels/configs/<device name>.json``, or the file named by the
+   (``loraserve/kernels/configs/<device name>.json``, or the file named by the
    ``LORASERVE_LORA_CONFIG`` environment variable), keyed by shape class;
 2. a heuristic that only looks at the shapes (the default on other GPUs and on
    the CPU interpreter).

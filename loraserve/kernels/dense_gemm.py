@@ -22,11 +22,11 @@ With SPLIT_K > 1 every split writes its fp32 partial to a workspace and adds 1
 to its column tile's counter; the split that brings the counter to SPLIT_K sums
 the partials in split order (the result does not depend on who finished last),
 writes y and puts the counter back to 0 for the next call or graph replay.
-With PDL (kernels/pdl.py) a program first prefetches the start of its weight
+With PDL (loraserve/kernels/pdl.py) a program first prefetches the start of its weight
 rows into L2, then waits for the previous kernel.
 
 CUDA graphs: the counters live in one zeroed buffer per device
-(kernels/counters.py), made on the first call (the eager warm-up before a
+(loraserve/kernels/counters.py), made on the first call (the eager warm-up before a
 capture); the workspace comes from the caching allocator, so from the graph's
 pool when captured.
 """

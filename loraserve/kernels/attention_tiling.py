@@ -17,7 +17,7 @@ MAX_SPLIT_ROWS = 512
 # decode step of the 8B shape at 576 keys runs 2.8% faster with 8 than with 32 on
 # the H200 (benchmarks/RESULTS.md).
 MAX_SPLITS = 8
-# Split counters (kernels/counters.py), one per (query tile, KV head) of a split
+# Split counters (loraserve/kernels/counters.py), one per (query tile, KV head) of a split
 # launch: at most MAX_SPLIT_ROWS tokens and as many sequences, 64 KV heads.
 MAX_LOCKS = 2 * MAX_SPLIT_ROWS * 64
 

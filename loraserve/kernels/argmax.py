@@ -25,7 +25,7 @@ from .pdl import pdl_args, pdl_begin
 
 _BLOCK = 4096
 MAX_CHUNKS = 64
-# Row counters (kernels/counters.py); more rows than this take one chunk a row.
+# Row counters (loraserve/kernels/counters.py); more rows than this take one chunk a row.
 _MAX_ROWS = 4096
 
 

@@ -26,7 +26,7 @@ launch instead (``lora_one_launch``), which saves the gap between two dependent
 launches.
 
 Launch configs come from ``lora_config`` (a tuned JSON per GPU in
-``kernels/configs/``, else heuristics).
+``loraserve/kernels/configs/``, else heuristics).
 
 CUDA graphs
 -----------
