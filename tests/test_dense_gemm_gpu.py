@@ -12,7 +12,6 @@ pytestmark = [
 
 if torch.cuda.is_available():
     from loraserve.kernels import dense_gemm, pdl
-
     from loraserve.model import triton_ops
     from loraserve.model.linear import Linear
 

@@ -144,7 +144,6 @@ def test_triton_embedding_op_matches_torch():
     here by the Triton interpreter, against the plain torch wrapper."""
     pytest.importorskip("triton")
     from loraserve.kernels.lora_meta import build_lora_metadata
-
     from loraserve.lora.punica import TorchPunicaWrapper
     from loraserve.lora.punica_triton import add_lora_embedding
 

@@ -7,11 +7,11 @@ import torch
 # On a CPU box conftest.py has put Triton in interpreter mode before any import.
 pytest.importorskip("triton")
 
-from loraserve.kernels import activation  # noqa: E402
-from loraserve.kernels import fused_norm_rope as fused  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
 from loraserve import envs  # noqa: E402
+from loraserve.kernels import activation  # noqa: E402
+from loraserve.kernels import fused_norm_rope as fused  # noqa: E402
 from loraserve.model.llama import RMSNorm  # noqa: E402
 from loraserve.model.rope import RotaryEmbedding  # noqa: E402
 

@@ -6,8 +6,6 @@ import torch
 # On a CPU box conftest.py has put Triton in interpreter mode before any import.
 pytest.importorskip("triton")
 
-from loraserve.kernels import attention_tiling  # noqa: E402
-from loraserve.kernels import paged_attention as pa  # noqa: E402
 from paged_attention_utils import (  # noqa: E402
     decode_rotary,
     make_batch,
@@ -17,6 +15,9 @@ from paged_attention_utils import (  # noqa: E402
     run_kernels,
     run_with_new_kv,
 )
+
+from loraserve.kernels import attention_tiling  # noqa: E402
+from loraserve.kernels import paged_attention as pa  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU interpreter tests; the GPU has the _gpu file"

@@ -24,11 +24,11 @@ import sys
 
 import torch
 import triton.testing
-from loraserve.kernels import paged_attention as pa
-from loraserve.kernels.attention_tiling import MAX_SPLITS, choose_num_splits
 
 from benchmarks.kernels.timing import copy_bandwidth, median_replay_ms
 from benchmarks.results import command
+from loraserve.kernels import paged_attention as pa
+from loraserve.kernels.attention_tiling import MAX_SPLITS, choose_num_splits
 
 HQ, HK, D, BS = 32, 8, 128, 16
 BATCHES = [1, 32, 64, 256]

@@ -31,13 +31,13 @@ import argparse
 import json
 
 import torch
-from loraserve.kernels.activation import silu_and_mul
-from loraserve.kernels.lora_activation import silu_and_mul_lora
-from loraserve.kernels.lora_ops import add_lora_linear
 
 from benchmarks.kernels.timing import time_graph
 from benchmarks.kernels.tune_kernels import SHRINK_CLASSES as SHAPES  # Llama-3-8B: (K, slices)
 from benchmarks.results import command_words
+from loraserve.kernels.activation import silu_and_mul
+from loraserve.kernels.lora_activation import silu_and_mul_lora
+from loraserve.kernels.lora_ops import add_lora_linear
 from loraserve.lora.punica_triton import TritonPunicaWrapper
 
 TOKENS = [1, 32, 256, 1024, 4096, 8192]

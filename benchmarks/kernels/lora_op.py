@@ -28,9 +28,6 @@ import time
 
 import torch
 import triton
-from loraserve.kernels.lora_meta import LoRAMetadata
-from loraserve.kernels.lora_ops import add_lora_linear
-from loraserve.kernels.lora_shrink import workspace_numel
 
 from benchmarks.kernels.timing import (
     CALLS_PER_TIMING,
@@ -38,6 +35,9 @@ from benchmarks.kernels.timing import (
     time_eager,
     time_graph,
 )
+from loraserve.kernels.lora_meta import LoRAMetadata
+from loraserve.kernels.lora_ops import add_lora_linear
+from loraserve.kernels.lora_shrink import workspace_numel
 
 SHAPES = {
     "qkv": (4096, [4096, 1024, 1024]),
