@@ -83,7 +83,7 @@ def main() -> None:
     prompts, params = workload_requests(llm, args)
 
     results = {"command": command(), "machine": machine()}
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.executor.driver.graphs
     if graphs is not None:
         results["graph_capture"] = {"seconds": graphs.capture_seconds,
                                     "bytes": graphs.capture_bytes, "graphs": len(graphs.graphs)}

@@ -35,7 +35,7 @@ def measure(kwargs: dict, cache_dir: str, queue, profile_to: str | None) -> None
         with open(profile_to, "w") as f:
             for order in ("tottime", "cumulative"):
                 pstats.Stats(profiler, stream=f).sort_stats(order).print_stats(40)
-    graphs, pieces = core.runner.graphs, core.runner.pieces
+    graphs, pieces = core.executor.driver.graphs, core.executor.driver.pieces
     queue.put({
         "engine_start_s": time.perf_counter() - start,
         "graphs": len(graphs.graphs) if graphs else 0,

@@ -135,7 +135,7 @@ def test_non_finite_weights_are_refused_naming_the_tensor(llm, llama_adapters, p
                      LoRARequest("poisoned", 62, str(path)))
     assert "poisoned" in str(err.value) and key in str(err.value)
     assert "NaN or infinite" in str(err.value)
-    assert "poisoned" not in llm.engine.loras.cpu_names()
+    assert "poisoned" not in llm.engine.executor.driver.loras.cpu_names()
     _assert_still_serves(llm, llama_adapters, prompts)
 
 
@@ -145,7 +145,7 @@ def test_weights_that_overflow_the_lora_dtype_are_refused(llm, llama_adapters, t
 
     path = _copy(llama_adapters["r8"], tmp_path / "huge")
     key = _poison(path, 60000.0, "lora_B")  # float16 tops out at 65504; alpha / r = 2
-    info = llm.engine.loras.info
+    info = llm.engine.executor.driver.loras.info
     with pytest.raises(LoRAError, match="overflows torch.float16") as err:
         load_lora_model(LoRARequest("huge", 63, str(path)), info, 16, torch.float16)
     assert key in str(err.value)

@@ -103,5 +103,5 @@ def test_chunked_prefill_and_preemption_keep_outputs(llama_dir, llama_adapters, 
     assert tight.engine.scheduler.num_preemptions > 0
     # Every layer's cache holds block 0, zeros that no sequence got (the GPU kernel
     # reads it for keys past an end), then the 12 blocks.
-    for cache in tight.engine.runner.kv_caches:
+    for cache in tight.engine.executor.driver.kv_caches:
         assert cache.shape[1] == 13 and not cache[:, 0].any() and cache[:, 1:].any()

@@ -136,7 +136,7 @@ def test_vocabulary_changes_are_refused(tmp_path, llama_dir, case):
         want = "trainable_token_indices"
     llm = LLM(llama_dir, enable_lora=True, max_lora_rank=8)
     with pytest.raises(LoRAError, match=want):
-        llm.engine.runner.loras.load(LoRARequest(case, 1, adapter))
+        llm.engine.executor.driver.loras.load(LoRARequest(case, 1, adapter))
 
 
 def test_triton_embedding_op_matches_torch():

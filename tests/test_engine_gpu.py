@@ -37,7 +37,7 @@ def test_fp32_on_gpu_matches_peft(llama_dir, llama_adapters, prompts, enforce_ea
     llm = LLM(llama_dir, device="cuda", dtype="float32", enable_lora=True, max_loras=2,
               max_lora_rank=16, enforce_eager=enforce_eager, max_num_seqs=16,
               kv_cache_memory_bytes=1 << 28)
-    assert (llm.engine.runner.graphs is None) == enforce_eager
+    assert (llm.engine.executor.driver.graphs is None) == enforce_eager
     loras = [None] + [LoRARequest(n, i + 1, llama_adapters[n]) for i, n in enumerate(names)]
     batch = [(p, lora) for p in prompts for lora in loras]
     outs = _gen(llm, [p for p, _ in batch], [lr for _, lr in batch])

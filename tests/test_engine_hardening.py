@@ -123,7 +123,7 @@ def test_a_sampler_fault_mid_stream_fails_only_that_request(llm, prompts, monkey
     engine = llm.engine
     want = _reference(engine, prompts[:3])
     bad_prompt = prompts[3]
-    sample = engine.runner.sampler.sample
+    sample = engine.executor.driver.sampler.sample
 
     def faulty(logits, rows):
         # The bad request's third token, while the others decode in the same batch.
@@ -132,7 +132,7 @@ def test_a_sampler_fault_mid_stream_fails_only_that_request(llm, prompts, monkey
             raise RuntimeError("injected sampler fault")
         return sample(logits, rows)
 
-    monkeypatch.setattr(engine.runner.sampler, "sample", faulty)
+    monkeypatch.setattr(engine.executor.driver.sampler, "sample", faulty)
     requests = [_request(f"ref{i}", p) for i, p in enumerate(prompts[:3])]
     requests.append(_request("bad", bad_prompt))
     tokens, finished = _run(engine, requests)
@@ -193,7 +193,7 @@ def test_a_fault_outside_any_request_fails_all_and_the_engine_goes_on(
 
 
 def _resident(engine, name: str) -> bool:
-    manager = engine.loras
+    manager = engine.executor.driver.loras
     return (name in manager.cpu_names() or name in manager.slot_names()
             or name in engine.lora_memory_usage() or name in manager.store._loading)
 
@@ -237,7 +237,8 @@ def test_requests_waiting_on_a_load_fail_when_it_is_unloaded(llm, llama_adapters
     lora = LoRARequest("waits", 61, llama_adapters["r16_qv"])
     engine.add_request(_request("w0", prompts[0], lora=lora))  # starts a background load
     engine.add_request(_request("w1", prompts[1], lora=lora))
-    (future,) = [f for name, (_, f) in engine.loras.store._loading.items() if name == "waits"]
+    store = engine.executor.driver.loras.store
+    (future,) = [f for name, (_, f) in store._loading.items() if name == "waits"]
     engine.remove_lora("waits")
     # Let the disk read finish (unless it was cancelled in time): its result is dropped.
     concurrent.futures.wait([future], timeout=60)
@@ -251,14 +252,14 @@ def test_requests_waiting_on_a_load_fail_when_it_is_unloaded(llm, llama_adapters
 
 def test_a_load_that_finishes_for_an_unloaded_adapter_is_dropped(llm, llama_adapters):
     """Whoever started it, a disk read of a retired adapter never becomes resident."""
-    manager = llm.engine.loras
+    manager = llm.engine.executor.driver.loras
     lora = LoRARequest("stale", 71, llama_adapters["r1"])
     manager.add(lora)
     manager.remove("stale")
-    manager.start_background_load(lora)
+    manager.start_loads([lora])
     (_, future) = manager.store._loading["stale"]
     concurrent.futures.wait([future], timeout=60)
-    assert manager.poll_loads() == []
+    assert manager.finished_loads() == []
     assert not _resident(llm.engine, "stale")
 
 
@@ -271,6 +272,7 @@ class _FakeCore:
     def __init__(self) -> None:
         self.added: list[str] = []
         self.loras_added: list[str] = []
+        self.reading: list[LoRARequest] = []
         self.release_read = threading.Event()
         self.lora_enabled = True
 
@@ -282,14 +284,19 @@ class _FakeCore:
 
         return SchedulerStats()
 
-    def read_lora(self, lora_request: LoRARequest) -> str:
-        self.release_read.wait(timeout=30)
-        return lora_request.lora_name
+    def start_add_lora(self, lora_request: LoRARequest, pinned: bool = False) -> None:
+        self.reading.append(lora_request)
 
-    def add_lora(self, lora_request: LoRARequest, pinned: bool = False, loaded=None) -> None:
-        self.loras_added.append(lora_request.lora_name)
+    def poll_lora_adds(self) -> list[tuple[LoRARequest, None]]:
+        """The reads end once release_read is set; then their adapters are in."""
+        if not self.release_read.is_set():
+            return []
+        done, self.reading = self.reading, []
+        self.loras_added += [lora.lora_name for lora in done]
+        return [(lora, None) for lora in done]
 
     def remove_lora(self, lora_name: str) -> bool:
+        self.reading = [lora for lora in self.reading if lora.lora_name != lora_name]
         return True
 
 
@@ -309,7 +316,6 @@ def engine_proc():
     core = _FakeCore()
     proc = EngineCoreProc(core, engine_in, engine_out, parent_pid=0)
     yield proc, core, sockets[zmq.PUSH], sockets[zmq.PULL]
-    proc.lora_loader.shutdown()
     core.release_read.set()
     for sock in (*sockets.values(), engine_in, engine_out):
         sock.close(linger=0)

@@ -33,7 +33,7 @@ def _use(llm: LLM, lora: LoRARequest, prompt: list[int]) -> None:
 
 
 def test_eviction_order_of_both_caches(engine_llm, llama_adapters, prompts):
-    manager = engine_llm.engine.loras
+    manager = engine_llm.engine.executor.driver.loras
     reqs = {n: LoRARequest(n, i + 1, p) for i, (n, p) in enumerate(llama_adapters.items())}
     names = list(reqs)  # r8, r16_qv, r1, r8_mlp
     for n in names[:3]:
@@ -48,7 +48,7 @@ def test_eviction_order_of_both_caches(engine_llm, llama_adapters, prompts):
 
 
 def test_pinned_adapter_is_never_evicted(engine_llm, llama_adapters, prompts):
-    manager = engine_llm.engine.loras
+    manager = engine_llm.engine.executor.driver.loras
     reqs = [LoRARequest(n, i + 1, p) for i, (n, p) in enumerate(llama_adapters.items())]
     engine_llm.engine.add_lora(reqs[0], pinned=True)
     for r in reqs[1:]:
@@ -65,7 +65,7 @@ def test_adapter_that_can_never_get_a_slot_fails_at_once(engine_llm, llama_adapt
     reqs = [LoRARequest(n, i + 1, p) for i, (n, p) in enumerate(llama_adapters.items())]
     engine.add_lora(reqs[0], pinned=True)
     engine.add_lora(reqs[1], pinned=True)
-    assert set(engine.loras.slot_names()) == {reqs[0].lora_name, reqs[1].lora_name}
+    assert set(engine.executor.driver.loras.slot_names()) == {reqs[0].lora_name, reqs[1].lora_name}
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     outputs = engine_llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params,
                                   [reqs[2], reqs[0], None, reqs[1]])
@@ -78,7 +78,7 @@ def test_adapter_that_can_never_get_a_slot_fails_at_once(engine_llm, llama_adapt
 
 
 def test_unload_frees_cpu_tensors_and_zeroes_the_slot(engine_llm, llama_adapters, prompts):
-    manager = engine_llm.engine.loras
+    manager = engine_llm.engine.executor.driver.loras
     lora = LoRARequest("r8", 1, llama_adapters["r8"])
     _use(engine_llm, lora, prompts[0])
     slot = manager.slots.slot_of("r8")
@@ -93,7 +93,7 @@ def test_unload_frees_cpu_tensors_and_zeroes_the_slot(engine_llm, llama_adapters
 def test_untargeted_module_slot_is_zeroed(engine_llm, llama_adapters, prompts):
     """An adapter that targets only q/v must not inherit the MLP weights of the
     adapter that held its slot before."""
-    manager = engine_llm.engine.loras
+    manager = engine_llm.engine.executor.driver.loras
     for i, n in enumerate(["r8", "r1", "r16_qv"]):
         _use(engine_llm, LoRARequest(n, i + 1, llama_adapters[n]), prompts[0])
     slot = manager.slots.slot_of("r16_qv")

@@ -7,6 +7,7 @@ lora_requests_info reads as LoRA-affinity routers parse it."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -59,16 +60,24 @@ def test_each_read_from_disk_counts_once(llm, llama_adapters, prompts):
     assert num_loads(llm) == 4
 
 
+def _wait_for_reads(core) -> None:
+    """Until the worker's background reads are done (not yet committed)."""
+    store = core.executor.driver.loras.store
+    concurrent.futures.wait([future for _, future in store._loading.values()], timeout=60)
+
+
 def test_a_read_counts_once_it_is_in_the_cache_and_a_failed_one_never(
     llm, llama_adapters, tmp_path
 ):
     core = llm.engine
     req = LoRARequest("r8", 1, llama_adapters["r8"])
-    # A runtime add reads on another thread and hands the result to add_lora later.
-    read = core.read_lora(req)
-    core.read_lora(LoRARequest("r1", 2, llama_adapters["r1"]))  # its add was dropped
+    # A runtime add reads in the background; the engine commits it from its loop.
+    core.start_add_lora(req)
+    core.start_add_lora(LoRARequest("r1", 2, llama_adapters["r1"]))
+    _wait_for_reads(core)
+    core.remove_lora("r1")  # its add is dropped
     assert num_loads(llm) == 0
-    core.add_lora(req, loaded=read)
+    assert [(r.lora_name, e) for r, e in core.poll_lora_adds()] == [("r8", None)]
     assert num_loads(llm) == 1
     with pytest.raises(LoRAError):
         core.add_lora(LoRARequest("missing", 3, str(tmp_path / "missing")))
@@ -79,9 +88,10 @@ def test_the_load_time_runs_from_the_start_of_the_read_to_the_cache(llm, llama_a
     core = llm.engine
     req = LoRARequest("r8", 1, llama_adapters["r8"])
     started = time.monotonic()
-    read = core.read_lora(req)
+    core.start_add_lora(req)
+    _wait_for_reads(core)
     time.sleep(0.3)  # the add waits for the engine loop: still part of the load
-    core.add_lora(req, loaded=read)
+    assert core.poll_lora_adds() == [(req, None)]
     elapsed = time.monotonic() - started
     stats = core.get_stats()
     assert 0.3 <= stats.lora_load_time_sum_s <= elapsed

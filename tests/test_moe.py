@@ -127,7 +127,7 @@ def test_bad_expert_adapters_are_refused(tmp_path, moe):
     arch, model_dir, adapters = moe
     small = LLM(model_dir, enable_lora=True, max_loras=1, max_lora_rank=1)
     with pytest.raises(LoRAError, match="max_lora_rank"):
-        small.engine.runner.loras.load(LoRARequest("big", 1, adapters["down_only"]))
+        small.engine.executor.driver.loras.load(LoRARequest("big", 1, adapters["down_only"]))
     llm = LLM(model_dir, enable_lora=True, max_loras=1, max_lora_rank=8)
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -138,7 +138,7 @@ def test_bad_expert_adapters_are_refused(tmp_path, moe):
     tensors[key] = tensors[key][:-1].contiguous()
     save_file(tensors, str(bad / "adapter_model.safetensors"))
     with pytest.raises(LoRAError, match="fit neither"):
-        llm.engine.runner.loras.load(LoRARequest("bad", 2, str(bad)))
+        llm.engine.executor.driver.loras.load(LoRARequest("bad", 2, str(bad)))
 
 
 def test_lora_target_modules_restrict_expert_updates(moe):
@@ -151,4 +151,4 @@ def test_lora_target_modules_restrict_expert_updates(moe):
     assert got == hf_greedy(model_dir, adapters["down_only"], prompt, MAX_TOKENS)
     dropped = LLM(model_dir, enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj"])
     with pytest.raises(LoRAError, match="no LoRA weights"):
-        dropped.engine.runner.loras.load(down_only)
+        dropped.engine.executor.driver.loras.load(down_only)

@@ -40,8 +40,8 @@ def test_mixed_batch_equals_alone(llama_dir, llama_adapters, prompts, alone,
     got = _run(llm, [prompts[i] for i, _ in batch], loras)
     for (i, name), tokens in zip(batch, got, strict=True):
         assert tokens == alone[(i, name)], (i, name)
-    assert len(llm.engine.loras.cpu_names()) <= max_cpu_loras
-    assert len(llm.engine.loras.slot_names()) <= max_loras
+    assert len(llm.engine.executor.driver.loras.cpu_names()) <= max_cpu_loras
+    assert len(llm.engine.executor.driver.loras.slot_names()) <= max_loras
 
 
 def test_a_pinned_adapter_keeps_its_slot_and_the_others_share_the_rest(
@@ -65,4 +65,4 @@ def test_a_pinned_adapter_keeps_its_slot_and_the_others_share_the_rest(
     for out, want in zip(outs, alone, strict=True):
         assert out.outputs[0].finish_reason == "length", out.outputs[0]
         assert out.outputs[0].token_ids == want.outputs[0].token_ids
-    assert "r8" in llm.engine.loras.pinned_slot_names()
+    assert "r8" in llm.engine.adapters.residency.pinned_slots

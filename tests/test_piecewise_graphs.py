@@ -31,9 +31,9 @@ def _count_calls(obj, name: str) -> list:
     calls = []
     original = getattr(obj, name)
 
-    def wrapper(inputs):
+    def wrapper(inputs, *args):
         calls.append(len(inputs.input_ids))
-        return original(inputs)
+        return original(inputs, *args)
 
     setattr(obj, name, wrapper)
     return calls
@@ -58,8 +58,8 @@ def test_pieces_match_peft_on_mixed_steps(llama_dir, llama_adapters, prompts):
     with decodes of other adapters and the base, padded to a bucket."""
     llm = LLM(llama_dir, enable_lora=True, max_loras=4, max_lora_rank=16,
               max_num_batched_tokens=40, max_num_seqs=16, enable_prefix_caching=False)
-    runner = llm.engine.runner
-    runner.pieces = PiecewiseGraphs(runner, capture=False)
+    runner = llm.engine.executor.driver
+    runner.pieces = PiecewiseGraphs(runner.ctx, runner.max_num_tokens, capture=False)
     calls = _count_calls(runner.pieces, "run")
     _check_against_peft(llm, llama_dir, _mixed_batch(llama_adapters, prompts))
     # Pieces ran, for steps of several sizes, some of them padded.
@@ -74,8 +74,8 @@ def test_pieces_of_a_moe_model_match_peft(tmp_path, prompts):
     adapter = make_moe_adapter(model_dir, tmp_path / "a", r=4, alpha=8, seed=1)
     llm = LLM(model_dir, enable_lora=True, max_loras=1, max_lora_rank=8,
               max_num_batched_tokens=24, max_num_seqs=8, enable_prefix_caching=False)
-    runner = llm.engine.runner
-    runner.pieces = PiecewiseGraphs(runner, capture=False)
+    runner = llm.engine.executor.driver
+    runner.pieces = PiecewiseGraphs(runner.ctx, runner.max_num_tokens, capture=False)
     calls = _count_calls(runner.pieces, "run")
     lora = LoRARequest("a", 1, adapter)
     _check_against_peft(llm, model_dir, [(p, x) for p in prompts[2:] for x in (None, lora)])
@@ -87,7 +87,7 @@ def test_piecewise_graphs_match_peft_on_the_gpu(llama_dir, llama_adapters, promp
     llm = LLM(llama_dir, enable_lora=True, max_loras=4, max_lora_rank=16, dtype="float32",
               max_num_batched_tokens=40, max_num_seqs=16, enable_prefix_caching=False,
               cudagraph_mode="FULL_AND_PIECEWISE")
-    runner = llm.engine.runner
+    runner = llm.engine.executor.driver
     assert runner.pieces is not None and runner.pieces.graphs
     calls = _count_calls(runner.pieces, "run")
     _check_against_peft(llm, llama_dir, _mixed_batch(llama_adapters, prompts))
@@ -98,7 +98,7 @@ def test_piecewise_graphs_match_peft_on_the_gpu(llama_dir, llama_adapters, promp
 def test_piecewise_graphs_base_model_on_the_gpu(llama_dir, prompts):
     llm = LLM(llama_dir, dtype="float32", max_num_batched_tokens=40, max_num_seqs=16,
               enable_prefix_caching=False, cudagraph_mode="FULL_AND_PIECEWISE")
-    assert llm.engine.runner.pieces.graphs
+    assert llm.engine.executor.driver.pieces.graphs
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     for p, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(llama_dir, None, p, MAX_TOKENS)

@@ -130,8 +130,8 @@ def test_serve_with_two_ranks(llama_dir, tp_adapters, prompts):
 _WATCHED_RANK_0 = textwrap.dedent("""
     import multiprocessing, sys, time
     from loraserve.distributed.parallel_state import SINGLE
-    from loraserve.distributed.workers import WorkerGroup
     from loraserve.engine import core_proc
+    from loraserve.executor.tensor_parallel import RankProcesses
 
     if __name__ == "__main__":
         core_proc._RANK_DEATH_GRACE_S = 0.5
@@ -139,8 +139,8 @@ _WATCHED_RANK_0 = textwrap.dedent("""
         worker = multiprocessing.get_context("spawn").Process(
             target=time.sleep, args=(1 if stop else 120,))
         worker.start()
-        group = WorkerGroup(SINGLE, [worker])
-        core_proc.watch_workers(group)
+        group = RankProcesses(SINGLE, [worker])
+        core_proc.watch_ranks(group)
         print(worker.pid, flush=True)
         if stop:
             group.shutdown()

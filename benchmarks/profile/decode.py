@@ -25,7 +25,7 @@ from loraserve.engine.output_processor import OutputProcessor
 
 
 def graph_replay_ms(llm: LLM, batch: int) -> float:
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.executor.driver.graphs
     graph, _ = graphs.graphs[(graphs.padded_size(batch), graphs.cases[0])]
     return replay_ms(graph)
 
@@ -43,7 +43,7 @@ def main() -> None:
     llm = LLM(args.model, load_format=args.load_format, max_num_seqs=args.batch)
     engine = llm.engine
     results = {"machine": machine(), "batch": args.batch,
-               "weight_dtype": str(next(engine.runner.model.parameters()).dtype)}
+               "weight_dtype": str(next(engine.executor.driver.model.parameters()).dtype)}
 
     # Fill the batch and get past the prefill.
     vocab = llm.config.model_config.hf_config.vocab_size
@@ -67,7 +67,7 @@ def main() -> None:
         proc_s += time.perf_counter() - t1
     results["engine_step_ms"] = 1e3 * step_s / args.steps
     results["output_processing_ms"] = 1e3 * proc_s / args.steps
-    if engine.runner.graphs is not None:
+    if engine.executor.driver.graphs is not None:
         # The graph's input buffers now hold the running batch (its real context
         # lengths), so replays time that step on the device alone.
         results["graph_replay_ms"] = graph_replay_ms(llm, args.batch)
@@ -97,7 +97,7 @@ def main() -> None:
         tprof.key_averages().table(sort_by=sort_key, row_limit=40))
 
     # The same decode forward eagerly, to see every kernel.
-    runner = engine.runner
+    runner = engine.executor.driver
     graphs_saved, runner.graphs = runner.graphs, None
     with profile(activities=activities) as eprof:
         for _ in range(3):

@@ -82,23 +82,22 @@ def make_step(runner: ModelRunner, num_decodes: int, chunk: int, context: int,
     return StepInput(seqs)
 
 
-def time_step(runner: ModelRunner, step: StepInput, slots: dict[str, int],
-              iters: int) -> dict[str, float]:
+def time_step(runner: ModelRunner, step: StepInput, iters: int) -> dict[str, float]:
     for _ in range(3):
-        batch, _ = runner.launch(step, slots)
+        batch = runner.execute(step).sampled
         batch.token_ids.cpu()
     host, wall = [], []
     for _ in range(iters):
         sync()
         start = time.perf_counter()
-        batch, _ = runner.launch(step, slots)
+        batch = runner.execute(step).sampled
         launched = time.perf_counter()
         batch.token_ids.cpu()
         done = time.perf_counter()
         host.append((launched - start) * 1e3)
         wall.append((done - start) * 1e3)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        batch, _ = runner.launch(step, slots)
+        batch = runner.execute(step).sampled
         batch.token_ids.cpu()
     by_kind: dict[str, float] = defaultdict(float)
     launches = 0
@@ -142,14 +141,13 @@ def main(argv: list[str] | None = None) -> dict:
     names = [lora.lora_name for lora in loras]
     for lora in loras:
         runner.loras.add(lora)
-    slots = runner.loras.set_active(set(names))
 
     rows = []
     for decodes in args.decodes:
         for chunk in args.chunks:
             for model, adapters in (("base", [None]), ("LoRA", names)):
                 step = make_step(runner, decodes, chunk, args.context, adapters)
-                result = time_step(runner, step, slots, args.iters)
+                result = time_step(runner, step, args.iters)
                 rows.append({"decodes": decodes, "chunk": chunk, "model": model, **result})
                 print(json.dumps(rows[-1]), file=sys.stderr)
 

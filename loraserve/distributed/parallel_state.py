@@ -102,6 +102,15 @@ class TensorParallel:
         return box[0]
 
     @_collective
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's (picklable) obj, in rank order."""
+        if self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.cpu_group)
+        return gathered
+
+    @_collective
     def min_int(self, value: int) -> int:
         """The smallest of the ranks' values (sizes every rank must agree on)."""
         if self.world_size == 1:

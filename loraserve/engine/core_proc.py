@@ -17,8 +17,6 @@ import sys
 import threading
 import time
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
-from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
@@ -45,7 +43,6 @@ from loraserve.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     from loraserve.config import EngineConfig
-    from loraserve.distributed.workers import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -75,52 +72,43 @@ def _use_thread_locks_for_progress_bars() -> None:
     tqdm.set_lock(threading.RLock())
 
 
-def watch_workers(workers: WorkerGroup | None) -> None:
+def watch_ranks(executor: Any) -> None:
     """End the process once a tensor-parallel rank has died and the loop did not
     stop the engine: rank 0 may wait in a collective that never returns (NCCL does
     not notice a dead peer before its timeout)."""
-    if workers is None:
-        return
 
-    def watch() -> None:
-        wait(workers.sentinels)
-        time.sleep(_RANK_DEATH_GRACE_S)
-        if not workers.stopping:
-            logger.error("%s; the engine is stuck waiting for it, ending it",
-                         workers.dead_rank())
-            os._exit(1)
+    def on_death(reason: str) -> None:
+        logger.error("%s; the engine is stuck waiting for it, ending it", reason)
+        os._exit(1)
 
-    threading.Thread(target=watch, name="loraserve-tp-watchdog", daemon=True).start()
+    executor.watch(on_death, _RANK_DEATH_GRACE_S)
 
 
 class _PendingAdd(NamedTuple):
     call: UtilityCall
     lora_request: LoRARequest
-    pinned: bool
-    future: Future
 
 
 class RuntimeLoRALoader:
     """Runs add_lora utility calls without stalling the loop.
 
-    The disk read and parsing (the slow part) happen on a worker thread; once done,
-    EngineCore.add_lora runs on the loop thread with that result in place of a
-    second read, so caching, pinning and slot activation stay the engine's own.
+    The engine reads the adapter in the background (on every tensor-parallel
+    rank) and commits it from the loop once the read is done; this answers each
+    call when its adapter is in, or with the reason it could not be.
     """
 
     def __init__(self, core: Any) -> None:
         self.core = core
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-runtime-load")
         self.pending: list[_PendingAdd] = []
 
     def submit(self, call: UtilityCall) -> bool:
-        """Start an add_lora call; False when it must run inline (no LoRA manager)."""
+        """Start an add_lora call; False when it must run inline (no LoRA)."""
         if not self.core.lora_enabled:
             return False
         lora_request = msgspec.convert(call.args[0], LoRARequest)
         pinned = bool(call.args[1]) if len(call.args) > 1 else False
-        future = self._pool.submit(self.core.read_lora, lora_request)
-        self.pending.append(_PendingAdd(call, lora_request, pinned, future))
+        self.core.start_add_lora(lora_request, pinned)
+        self.pending.append(_PendingAdd(call, lora_request))
         return True
 
     def drop(self, lora_name: str) -> list[UtilityResult]:
@@ -128,32 +116,29 @@ class RuntimeLoRALoader:
         them makes it resident again once the unload is done."""
         dropped = [item for item in self.pending if item.lora_request.lora_name == lora_name]
         self.pending = [item for item in self.pending if item not in dropped]
-        results = []
-        for item in dropped:
-            item.future.cancel()
-            results.append(UtilityResult(
-                call_id=item.call.call_id, error_type="LoRAError",
-                error=f"LoRA adapter {lora_name!r} was unloaded while it loaded",
-            ))
-        return results
+        return [UtilityResult(
+            call_id=item.call.call_id, error_type="LoRAError",
+            error=f"LoRA adapter {lora_name!r} was unloaded while it loaded",
+        ) for item in dropped]
 
     def finished(self) -> list[UtilityResult]:
-        """Complete the loads that are done; their results, in submission order."""
+        """Answer the adds whose adapters are in (or failed), in submission order."""
+        if not self.pending:
+            return []
+        ended = {request.lora_name: error for request, error in self.core.poll_lora_adds()}
         results = []
-        while self.pending and self.pending[0].future.done():
-            item = self.pending.pop(0)
+        for item in list(self.pending):
+            name = item.lora_request.lora_name
+            if name not in ended:
+                continue
+            self.pending.remove(item)
+            error = ended[name]
             result = UtilityResult(call_id=item.call.call_id)
-            try:
-                self.core.add_lora(item.lora_request, item.pinned,
-                                   loaded=item.future.result())
-            except Exception as exc:  # noqa: BLE001 - reported back to the caller
-                result.error_type = type(exc).__name__
-                result.error = str(exc) or type(exc).__name__
+            if error is not None:
+                result.error_type = type(error).__name__
+                result.error = str(error) or type(error).__name__
             results.append(result)
         return results
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _Stop(BaseException):
@@ -338,11 +323,10 @@ def run_engine_core(
         )
         out_sock.send_multipart(encode(OutputKind.READY, ready))
         proc = EngineCoreProc(core, in_sock, out_sock, parent_pid)
-        watch_workers(core.workers)
+        watch_ranks(core.executor)
         try:
             proc.run()
         finally:
-            proc.lora_loader.shutdown()
             core.shutdown()
     except _Stop:
         pass

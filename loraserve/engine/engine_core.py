@@ -9,6 +9,12 @@ request's length (`Request.num_pending`) and the model runner takes it from the
 previous step's ids on the device. The cost: a request that stops on EOS or a
 stop token has already been given one more step, whose token is dropped.
 
+The engine reaches the model only through its executor (loraserve.executor):
+`execute(step)` for a step, `call(method, ...)` for the worker's adapter
+operations. The scheduler counts adapter names against max_loras and asks for
+loads; the worker maps names to device slots, loads into them and reports what
+is resident (engine/adapters.py keeps that report).
+
 A request can only fail alone: add_request refuses what a step could not run
 (token ids outside the vocabulary, an unloaded adapter), and an exception inside
 a step fails the requests it belongs to, found by running them one at a time,
@@ -25,8 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from loraserve.config import EngineConfig
-from loraserve.distributed.parallel_state import SINGLE, TensorParallelError
-from loraserve.distributed.workers import WorkerGroup, start_workers
+from loraserve.distributed.parallel_state import TensorParallelError
+from loraserve.engine.adapters import EngineAdapters
 from loraserve.engine.kv_blocks import KVBlockManager
 from loraserve.engine.protocol import (
     EngineCoreOutput,
@@ -37,11 +43,10 @@ from loraserve.engine.protocol import (
 )
 from loraserve.engine.request import Request, RequestStatus
 from loraserve.engine.scheduler import Scheduler
-from loraserve.lora.manager import LoRAManager
-from loraserve.lora.peft_adapter import LoRAModel
+from loraserve.executor import make_executor
+from loraserve.lora.errors import LoRAError
 from loraserve.lora.request import LoRARequest
 from loraserve.worker.input_batch import PromptLogprobsInput, SeqInput, StepInput
-from loraserve.worker.model_runner import ModelRunner
 from loraserve.worker.sampler import PromptLogprobsBatch, SampledBatch, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -50,20 +55,14 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        # Tensor parallelism: this process is rank 0 and starts the other ranks.
-        self.workers: WorkerGroup | None = None
-        if config.parallel_config.tensor_parallel_size > 1:
-            self.workers = start_workers(config)
-        try:
-            self.runner = ModelRunner(config, self.workers.tp if self.workers else SINGLE)
-        except BaseException:
-            if self.workers is not None:
-                self.workers.shutdown()
-            raise
-        # The worker's LoRA side (caches, device slots, background loads), None
-        # without enable_lora: every adapter operation of the engine goes through it.
-        self.loras: LoRAManager | None = self.runner.loras
-        self.kv = KVBlockManager(self.runner.num_kv_blocks, config.cache_config.block_size,
+        # With tensor parallelism this process is rank 0 and starts the other ranks.
+        self.executor = make_executor(config)
+        # None without enable_lora: every adapter operation goes through it.
+        self.adapters: EngineAdapters | None = (
+            EngineAdapters(self.executor) if config.lora_config is not None else None)
+        # Runtime adds (API loads) that ended, for core_proc to answer.
+        self._finished_adds: list[tuple[LoRARequest, LoRAError | None]] = []
+        self.kv = KVBlockManager(self.executor.num_kv_blocks, config.cache_config.block_size,
                                  config.cache_config.enable_prefix_caching)
         max_loras = config.lora_config.max_loras if config.lora_config else None
         self.scheduler = Scheduler(config.scheduler_config, self.kv, max_loras)
@@ -86,12 +85,12 @@ class EngineCore:
 
     @property
     def lora_enabled(self) -> bool:
-        return self.loras is not None
+        return self.adapters is not None
 
     def lora_ready(self, name: str) -> bool:
-        """Whether the adapter is in the CPU cache, so a request for it runs without
-        waiting on a load."""
-        return self.loras is not None and self.loras.is_ready(name)
+        """Whether the adapter is in the CPU cache or a device slot, so a request
+        for it runs without waiting on a load."""
+        return self.adapters is not None and self.adapters.is_ready(name)
 
     # ---- requests ----------------------------------------------------------------
 
@@ -108,8 +107,8 @@ class EngineCore:
         self.requests[req.request_id] = req
         self.scheduler.add_request(req)
         name = req.lora_name
-        if name is not None and not self.loras.is_ready(name):
-            self.loras.start_background_load(req.lora_request)
+        if name is not None and not self.adapters.is_ready(name):
+            self.adapters.start_loads([req.lora_request])
 
     def _check_request(self, ecr: EngineCoreRequest) -> None:
         """Everything a step does per request must be possible: an id outside the
@@ -142,9 +141,9 @@ class EngineCore:
                 )
         lora = ecr.lora_request
         if lora is not None:
-            if self.loras is None:
+            if self.adapters is None:
                 raise ValueError("a LoRA adapter was requested but LoRA is not enabled")
-            if self.loras.is_retired(lora):
+            if self.adapters.is_retired(lora):
                 raise ValueError(f"LoRA adapter {lora.lora_name!r} was unloaded")
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -160,60 +159,73 @@ class EngineCore:
     def check_workers(self, cause: Exception | None = None) -> None:
         """Raise TensorParallelError if a tensor-parallel rank died, or `cause` is a
         failed collective: that is the engine's failure, never a request's."""
-        if self.workers is not None:
-            self.workers.check(cause)
+        self.executor.check(cause)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending) or self.has_step_in_flight
 
     # ---- adapters ------------------------------------------------------------------
 
-    def _require_lora(self):
-        if self.loras is None:
+    def _require_lora(self) -> EngineAdapters:
+        if self.adapters is None:
             raise ValueError("LoRA is not enabled; start with enable_lora (--enable-lora)")
-        return self.loras
+        return self.adapters
 
-    def read_lora(self, lora_request: LoRARequest) -> LoRAModel:
-        """Read and check an adapter from disk without touching any engine state, so
-        it may run on another thread; hand the result to add_lora(loaded=...)."""
-        return self._require_lora().load(lora_request)
+    def add_lora(self, lora_request: LoRARequest, pinned: bool = False) -> None:
+        """Load now (raises LoRAError), cache it and give it a device slot if one is
+        free or held by an adapter no running request uses."""
+        self._require_lora().add(lora_request, pinned, self.scheduler.running_loras())
+        self._after_add(lora_request)
 
-    def add_lora(self, lora_request: LoRARequest, pinned: bool = False,
-                 loaded: LoRAModel | None = None) -> None:
-        """Load now (raises LoRAError) unless `loaded` holds the adapter already read
-        off the loop thread, cache it and give it a device slot if one is free or
-        held by an adapter no running request uses."""
-        manager = self._require_lora()
-        busy = self.scheduler.running_loras()
-        manager.add(lora_request, pinned=pinned, loaded=loaded)
+    def start_add_lora(self, lora_request: LoRARequest, pinned: bool = False) -> None:
+        """add_lora without stalling the loop: the read runs in the background and
+        poll_lora_adds reports when the adapter is in."""
+        self._require_lora().begin_add(lora_request, pinned)
+
+    def poll_lora_adds(self) -> list[tuple[LoRARequest, LoRAError | None]]:
+        """Runtime adds that ended since the last call (committing finished reads)."""
+        if self.adapters is not None and self.adapters.adds_pending:
+            self._pending += self._poll_lora_loads()
+        finished, self._finished_adds = self._finished_adds, []
+        return finished
+
+    def _poll_lora_loads(self) -> list[EngineCoreOutput]:
+        """Commit the finished background reads; the requests of a failed one fail."""
+        done = self.adapters.poll(self.scheduler.running_loras())
+        outputs = []
+        for name, error in done.failed:
+            outputs += self._fail_requests_of(name, str(error), queue=False)
+        for lora_request, error in done.adds:
+            if error is None:
+                self._after_add(lora_request)
+        self._finished_adds += done.adds
+        return outputs
+
+    def _after_add(self, lora_request: LoRARequest) -> None:
         if lora_request.load_inplace:
             # New weights under the same name: blocks cached with the old ones are stale.
             self.kv.reset_prefix_cache()
-        try:
-            manager.activate(lora_request.lora_name, protected=busy)
-        except RuntimeError:
-            pass  # every slot is busy this step; it gets one when a step needs it
 
     def remove_lora(self, lora_name: str) -> bool:
         """Free the adapter for good: its requests fail, and a request that still
         names it (resolved before the unload) is refused instead of loading it again."""
-        manager = self._require_lora()
+        adapters = self._require_lora()
         ids = {r.lora_request.lora_int_id for r in self.requests.values()
                if r.lora_name == lora_name}
         # Their adapter is gone: answer them with an error rather than leave them.
         self._fail_requests_of(lora_name, f"LoRA adapter {lora_name!r} was unloaded")
         # The name may come back with other weights.
         self.kv.reset_prefix_cache()
-        return manager.remove(lora_name, ids)
+        return adapters.remove(lora_name, ids)
 
     def pin_lora(self, lora_name: str) -> None:
         self._require_lora().pin(lora_name)
 
     def lora_memory_usage(self) -> dict[str, int]:
-        return self.loras.memory_usage() if self.loras else {}
+        return self.adapters.memory_usage() if self.adapters else {}
 
     def list_loras(self) -> list[str]:
-        return self.loras.cpu_names() if self.loras else []
+        return sorted(self.adapters.residency.cpu) if self.adapters else []
 
     # ---- the step ------------------------------------------------------------------
 
@@ -238,21 +250,19 @@ class EngineCore:
         if self._in_flight is not None and not self._can_overlap():
             self._finish(self._take_in_flight(), outputs)
         ready: set[str] = set()
-        slot_holders: set[str] = set()
-        if self.loras is not None:
-            busy = self.scheduler.running_loras()
-            for name, error in self.loras.poll_loads():
-                if error is not None:
-                    outputs += self._fail_requests_of(name, str(error), queue=False)
+        slot_holders: frozenset[str] = frozenset()
+        adapters = self.adapters
+        if adapters is not None:
+            outputs += self._poll_lora_loads()
             ready = {
-                name for name in self.scheduler.waiting_loras() | busy
-                if self.loras.is_ready(name)
+                name for name in self.scheduler.waiting_loras() | self.scheduler.running_loras()
+                if adapters.is_ready(name)
             }
-            slot_holders = self.loras.pinned_slot_names()
+            slot_holders = adapters.residency.pinned_slots
             outputs += self._fail_slotless(slot_holders)
         sched = self.scheduler.schedule(ready, slot_holders)
-        for lora_request in sched.loras_to_load:
-            self.loras.start_background_load(lora_request)
+        if sched.loras_to_load:
+            adapters.start_loads(sched.loras_to_load)
         launched = self._launch_isolating(sched.scheduled, outputs) if sched.scheduled else None
         if self._in_flight is not None:
             self._finish(self._take_in_flight(), outputs)
@@ -326,12 +336,11 @@ class EngineCore:
             ))
             if samples:
                 sampled_reqs.append(req)
-        step = StepInput(seqs)
-        slots = (
-            self.loras.set_active(step.lora_names(), self.scheduler.running_loras())
-            if self.loras else {}
-        )
-        batch, prompt_batch = self.runner.launch(step, slots)
+        step = StepInput(seqs, frozenset(self.scheduler.running_loras()))
+        out = self.executor.execute(step)
+        if self.adapters is not None:
+            self.adapters.update(out.lora)
+        batch, prompt_batch = out.sampled, out.prompt_logprobs
         for req, n in scheduled:
             req.num_computed_tokens += n
             self.kv.cache_computed_blocks(req)
@@ -403,7 +412,7 @@ class EngineCore:
             return FinishReason.LENGTH, None
         return None, None
 
-    def _fail_slotless(self, pinned: set[str]) -> list[EngineCoreOutput]:
+    def _fail_slotless(self, pinned: frozenset[str]) -> list[EngineCoreOutput]:
         """Pinned adapters keep their device slots for good: once they hold every
         slot, a waiting request for any other adapter could never be scheduled, so
         it fails now rather than wait without end."""
@@ -454,20 +463,17 @@ class EngineCore:
             prefix_cache_tokens=(self.kv.prefix_cache_stats.queries,
                                  self.kv.prefix_cache_stats.hits),
         )
-        manager = self.loras
-        if manager is not None:
-            stats.gpu_lora_adapters = manager.slot_names()
-            stats.cpu_lora_adapters = manager.cpu_names()
-            stats.pinned_lora_adapters = manager.pinned_names()
-            stats.lora_load_time_counts, stats.lora_load_time_sum_s = manager.load_times()
+        if self.adapters is not None:
+            resident = self.adapters.residency
+            stats.gpu_lora_adapters = sorted(resident.slots)
+            stats.cpu_lora_adapters = sorted(resident.cpu)
+            stats.pinned_lora_adapters = sorted(resident.pinned)
+            stats.lora_load_time_counts = list(resident.load_time_counts)
+            stats.lora_load_time_sum_s = resident.load_time_sum_s
         return stats
 
     def shutdown(self) -> None:
-        if self.loras is not None:
-            self.loras.shutdown()
-        if self.workers is not None:
-            self.workers.shutdown()
-            self.workers = None
+        self.executor.shutdown()
 
 
 @dataclass

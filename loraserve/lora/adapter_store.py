@@ -64,6 +64,8 @@ class AdapterStore:
         self._read_starts = _ReadStarts()
         self._load_time_counts = [0] * (len(LORA_LOAD_TIME_BUCKETS_S) + 1)
         self._load_time_sum_s = 0.0
+        # Bumped whenever what the store reports changes (see LoRAManager.residency).
+        self.changes = 0
 
     # ---- loading -------------------------------------------------------------------
 
@@ -79,13 +81,14 @@ class AdapterStore:
         except LoRAError:
             raise
         except Exception as e:  # corrupt files and the like: still the adapter's fault
-            raise LoRAError(lora_request.lora_name, f"{type(e).__name__}: {e}") from e
+            raise _as_lora_error(lora_request.lora_name, e) from e
         self._read_starts.mark(lora, started)
         return lora
 
     def insert(self, lora: LoRAModel, pinned: bool = False) -> None:
         """Put a loaded adapter in the cache (most recent), evicting the oldest
         unpinned ones over capacity; its name and id are no longer retired."""
+        self.changes += 1
         self._retired.discard((lora.name, lora.int_id))
         self._ids[lora.name] = lora.int_id
         for name, _ in self.cache.put(lora.name, lora):
@@ -99,27 +102,54 @@ class AdapterStore:
             self._load_time_sum_s += seconds
 
     def start_background_load(self, lora_request: LoRARequest) -> None:
+        """Read the adapter on a loader thread, unless a read of it is under way
+        (a load_inplace request always starts a new read: it brings new weights)."""
         name = lora_request.lora_name
-        if name not in self._loading:
-            self._loading[name] = (lora_request, self._loader.submit(self.load, lora_request))
+        pending = self._loading.get(name)
+        if pending is not None:
+            if not lora_request.load_inplace:
+                return
+            pending[1].cancel()
+        self._loading[name] = (lora_request, self._loader.submit(self.load, lora_request))
+        self.changes += 1
 
-    def poll_loads(self) -> list[tuple[LoRAModel | None, str, LoRAError | None]]:
-        """The background loads that finished: (the adapter, its name, None), or
-        (None, its name, the error). The caller inserts the adapters."""
+    def finished_loads(self) -> list[tuple[str, LoRAError | None]]:
+        """The background reads that are done, as (name, None) or (name, the error),
+        oldest first; they stay until take_load. A read of an adapter that
+        was unloaded meanwhile is dropped here: nothing of it may stay."""
         done = []
         for name, (req, future) in list(self._loading.items()):
             if not future.done():
                 continue
-            del self._loading[name]
             if self.is_retired(req):
-                continue  # unloaded while it loaded: nothing of it may stay
-            try:
-                done.append((future.result(), name, None))
-            except LoRAError as e:
-                done.append((None, name, e))
-            except Exception as e:  # noqa: BLE001 - still only this adapter's failure
-                done.append((None, name, LoRAError(name, f"{type(e).__name__}: {e}")))
+                del self._loading[name]
+                self.changes += 1
+                continue
+            error = None if future.cancelled() else future.exception()
+            done.append((name, None if error is None else _as_lora_error(name, error)))
         return done
+
+    def take_load(self, name: str) -> LoRAModel:
+        """The adapter a background read produced, waiting for the read to end (on a
+        tensor-parallel rank it may finish a moment after rank 0's); raises LoRAError."""
+        _, future = self._loading.pop(name)
+        self.changes += 1
+        try:
+            return future.result()
+        except LoRAError:
+            raise
+        except Exception as e:  # noqa: BLE001 - only this adapter's failure
+            raise _as_lora_error(name, e) from e
+
+    def drop_load(self, name: str) -> None:
+        """Forget a background read (it failed, or its result is not wanted)."""
+        pending = self._loading.pop(name, None)
+        if pending is not None:
+            pending[1].cancel()
+            self.changes += 1
+
+    def is_loading(self, name: str) -> bool:
+        return name in self._loading
 
     # ---- residency -----------------------------------------------------------------
 
@@ -127,10 +157,15 @@ class AdapterStore:
         """Whether this adapter, under this id, was unloaded (and not added since)."""
         return (lora_request.lora_name, lora_request.lora_int_id) in self._retired
 
-    def remove(self, name: str, request_ids: Iterable[int] = ()) -> bool:
+    def pin(self, name: str) -> None:
+        self.cache.pin(name)
+        self.changes += 1
+
+    def remove(self, name: str, request_ids: Iterable[int] = ()) -> tuple[bool, frozenset[int]]:
         """Forget an adapter: its tensors are freed, a load in progress is dropped,
         and its ids (plus `request_ids`, those of requests that named it) are
-        retired. Returns whether anything of it was held."""
+        retired. Returns whether anything of it was held, and the ids retired."""
+        self.changes += 1
         ids = set(request_ids)
         lora = self.cache.pop(name)
         found = lora is not None
@@ -145,7 +180,7 @@ class AdapterStore:
         if known is not None:
             ids.add(known)
         self._retired.update((name, i) for i in ids)
-        return found
+        return found, frozenset(ids)
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of adapter weights in the cache, per adapter."""
@@ -161,3 +196,10 @@ class AdapterStore:
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=False, cancel_futures=True)
+
+
+def _as_lora_error(name: str, error: BaseException) -> LoRAError:
+    """A failed read is the adapter's failure, whatever raised (corrupt files too)."""
+    if isinstance(error, LoRAError):
+        return error
+    return LoRAError(name, f"{type(error).__name__}: {error}")

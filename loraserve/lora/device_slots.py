@@ -27,9 +27,8 @@ class DeviceSlots:
         self.slots: LRUCache[int] = LRUCache(num_slots)
         # Per slot, the wrapper paths its adapter has weights for.
         self._slot_modules: dict[int, frozenset[str]] = {}
-        # Tensor parallelism, rank 0: every slot written, as (slot, (name, id, path)
-        # or None), for the other ranks to write their shards of the same adapter.
-        self.slot_log: list[tuple[int, tuple[str, int, str] | None]] | None = None
+        # Bumped whenever which adapter holds a slot, or a pin, changes.
+        self.changes = 0
 
     def __contains__(self, name: str) -> bool:
         return name in self.slots
@@ -76,6 +75,7 @@ class DeviceSlots:
     def pin(self, name: str) -> None:
         if name in self.slots:
             self.slots.pin(name)
+            self.changes += 1
 
     def free(self, name: str) -> bool:
         """Zero and free the adapter's slot; whether it held one."""
@@ -86,9 +86,7 @@ class DeviceSlots:
         return True
 
     def write(self, slot: int, lora: LoRAModel | None) -> None:
-        if self.slot_log is not None:
-            self.slot_log.append(
-                (slot, (lora.name, lora.int_id, lora.path) if lora is not None else None))
+        self.changes += 1
         with torch.no_grad():
             for path, wrapper in self.wrappers.items():
                 wrapper.set_slot(slot, lora.modules.get(path) if lora is not None else None)

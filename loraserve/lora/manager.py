@@ -1,10 +1,12 @@
 """The LoRA side of one model runner: its wrapped layers (loraserve.lora.wrapping),
 the adapters in CPU memory (adapter_store) and the device slots (device_slots),
-behind the operations the engine and the runner use.
+behind the operations the runner's adapter methods and its steps use.
 
 An adapter enters the CPU cache when loaded and takes a device slot when a step
 needs it (or at once when added through the API). Pinned adapters are never
-evicted from either.
+evicted from either. Every operation here is deterministic given the calls
+made: each tensor-parallel rank runs the same calls on its own manager, so all
+of them hold the same adapters in the same slots without telling each other.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from loraserve.lora.errors import LoRAError
 from loraserve.lora.peft_adapter import LoRAModel
 from loraserve.lora.punica import PunicaWrapper
 from loraserve.lora.request import LoRARequest
+from loraserve.lora.residency import LoRAResidency
 from loraserve.lora.wrapping import wrap_model
 
 logger = logging.getLogger(__name__)
@@ -39,6 +42,7 @@ class LoRAManager:
         self.wrappers, self.info = wrap_model(model, lora_config, punica, logits_punica)
         self.store = AdapterStore(lora_config, self.info, num_load_threads)
         self.slots = DeviceSlots(lora_config.max_loras, self.wrappers)
+        self._reported = -1  # the change count of the last residency report
 
     # ---- loading -------------------------------------------------------------------
 
@@ -47,31 +51,50 @@ class LoRAManager:
         return self.store.load(lora_request)
 
     def add(self, lora_request: LoRARequest, pinned: bool = False,
-            loaded: LoRAModel | None = None) -> LoRAModel:
-        """Load (unless `loaded` was read elsewhere already) before evicting anything,
-        then put into the CPU cache."""
-        lora = loaded if loaded is not None else self.load(lora_request)
-        self.insert(lora, pinned)
-        return lora
+            protected: Iterable[str] = ()) -> None:
+        """Load now (raises LoRAError) before evicting anything, put it in the CPU
+        cache, and give it a device slot if one is free or held by an adapter that
+        is not `protected` (those the running requests use)."""
+        self._insert(self.load(lora_request), pinned, protected)
 
-    def insert(self, lora: LoRAModel, pinned: bool = False) -> None:
+    def _insert(self, lora: LoRAModel, pinned: bool, protected: Iterable[str]) -> None:
         # Strict LRU: an evicted adapter that a running request uses keeps its device
         # slot (set_active protects those), so nothing in flight loses its weights.
         # load_inplace: a slot that holds the name must show the new weights.
         self.slots.rewrite(lora)
         self.store.insert(lora, pinned)
+        try:
+            self.activate(lora.name, protected=protected)
+        except RuntimeError:
+            pass  # every slot is busy; it gets one when a step needs it
 
-    def start_background_load(self, lora_request: LoRARequest) -> None:
-        self.store.start_background_load(lora_request)
+    def start_loads(self, lora_requests: Iterable[LoRARequest]) -> None:
+        """Read these adapters on loader threads; see finished_loads and commit_loads."""
+        for lora_request in lora_requests:
+            self.store.start_background_load(lora_request)
 
-    def poll_loads(self) -> list[tuple[str, LoRAError | None]]:
-        """Move finished background loads into the CPU cache; report failures."""
-        done = []
-        for lora, name, error in self.store.poll_loads():
-            if lora is not None:
-                self.insert(lora)
-            done.append((name, error))
-        return done
+    def finished_loads(self) -> list[tuple[str, LoRAError | None]]:
+        """Background reads that are done, with the error of each that failed."""
+        return self.store.finished_loads()
+
+    def commit_loads(self, names: Iterable[str], failed: Iterable[str] = (),
+                     pinned: Iterable[str] = (), activate: Iterable[str] = (),
+                     protected: Iterable[str] = ()) -> None:
+        """Put the adapters of finished reads into the CPU cache, in order, and drop
+        the failed reads. Those in `activate` (added through the API) take a device
+        slot now if they can, those in `pinned` are pinned. Raises LoRAError if a
+        read in `names` failed here: on a tensor-parallel rank other than 0, where
+        rank 0's read of the same files went through, the group cannot go on."""
+        pinned, activate = set(pinned), set(activate)
+        for name in failed:
+            self.store.drop_load(name)
+        for name in names:
+            lora = self.store.take_load(name)
+            if name in activate:
+                self._insert(lora, name in pinned, protected)
+            else:
+                self.slots.rewrite(lora)
+                self.store.insert(lora, name in pinned)
 
     # ---- residency -----------------------------------------------------------------
 
@@ -79,18 +102,17 @@ class LoRAManager:
         """Usable this step without touching the disk."""
         return name in self.store.cache or name in self.slots
 
-    def is_retired(self, lora_request: LoRARequest) -> bool:
-        return self.store.is_retired(lora_request)
-
     def pin(self, name: str) -> None:
-        self.store.cache.pin(name)
+        self.store.pin(name)
         self.slots.pin(name)
 
-    def remove(self, name: str, request_ids: Iterable[int] = ()) -> bool:
-        """Forget an adapter for good: CPU tensors, device slot, a load in progress;
-        its ids are retired. Returns whether anything of it was held."""
+    def remove(self, name: str, request_ids: Iterable[int] = ()) -> tuple[bool, frozenset[int]]:
+        """Forget an adapter for good: CPU tensors, device slot, a load in progress.
+        Returns whether anything of it was held, and the ids now retired (those
+        given, and every id it was loaded under)."""
         freed = self.slots.free(name)
-        return self.store.remove(name, request_ids) or freed
+        found, retired = self.store.remove(name, request_ids)
+        return found or freed, retired
 
     def activate(self, name: str, protected: Iterable[str] = ()) -> int:
         """Give an adapter a device slot, evicting the least recently used one that
@@ -115,16 +137,26 @@ class LoRAManager:
         protected = set(names) | set(running)
         return {name: self.activate(name, protected=protected) for name in names}
 
-    def write_shared_slot(self, slot: int, adapter: tuple[str, int, str] | None) -> None:
-        """Another rank: write the slot that rank 0 wrote, reading the adapter from
-        its folder (rank 0 checked it already)."""
-        lora = self.load(LoRARequest(*adapter)) if adapter is not None else None
-        self.slots.write(slot, lora)
-
     def slots_use(self, path: str) -> bool:
         return self.slots.uses(path)
 
-    # ---- what the engine reports ---------------------------------------------------
+    # ---- what the worker reports ---------------------------------------------------
+
+    def residency(self) -> LoRAResidency:
+        self._reported = self.store.changes + self.slots.changes
+        cache, slots = self.store.cache, self.slots
+        counts, total = self.store.load_times()
+        return LoRAResidency(
+            cpu=frozenset(cache.keys()), slots=frozenset(slots.names()),
+            pinned=frozenset(self.store.pinned_names()), pinned_slots=slots.pinned_names(),
+            load_time_counts=tuple(counts), load_time_sum_s=total,
+        )
+
+    def residency_if_changed(self) -> LoRAResidency | None:
+        """A new report when anything in it changed since the last one, else None."""
+        if self.store.changes + self.slots.changes == self._reported:
+            return None
+        return self.residency()
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of adapter weights in the CPU cache, per adapter. Device slots are
@@ -136,16 +168,6 @@ class LoRAManager:
 
     def slot_names(self) -> list[str]:
         return self.slots.names()
-
-    def pinned_slot_names(self) -> set[str]:
-        """Pinned adapters holding a device slot: nothing evicts them from it."""
-        return self.slots.pinned_names()
-
-    def pinned_names(self) -> list[str]:
-        return self.store.pinned_names()
-
-    def load_times(self) -> tuple[list[int], float]:
-        return self.store.load_times()
 
     def shutdown(self) -> None:
         self.store.shutdown()

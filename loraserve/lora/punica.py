@@ -42,6 +42,25 @@ class PunicaWrapper(ABC):
     def update_mapping(self, token_slots: list[int]) -> None:
         """Set the slot of each token of this step (-1: no adapter)."""
 
+    def clear_mapping(self) -> None:
+        """No token of this step has an adapter: the LoRA ops are skipped."""
+        self.any_lora = False
+
+    def refresh_device_mapping(self, num_tokens: int) -> None:
+        """Regroup from ``token_slots`` already on the device (CUDA graph replays)."""
+        raise NotImplementedError(f"{type(self).__name__} replays no CUDA graphs")
+
+    def use_device_mapping(self, num_tokens: int, with_lora: bool,
+                           like: PunicaWrapper | None = None) -> None:
+        """For a captured graph: run the LoRA ops (with_lora) on the slots a replay
+        finds in ``token_slots`` (copied there from `like`'s), regrouped on the
+        device; or skip them."""
+        self.any_lora = with_lora
+        if with_lora:
+            if like is not None:
+                self.token_slots[:num_tokens].copy_(like.token_slots[:num_tokens])
+            self.refresh_device_mapping(num_tokens)
+
     def launch_configs(self, num_tokens: int, k: int, widths: list[int], rank: int) -> tuple:
         """What picks the compiled kernels of a layer's LoRA op at this token count
         (empty where nothing is compiled)."""

@@ -63,7 +63,6 @@ class TritonPunicaWrapper(PunicaWrapper):
         self.meta.update(self.token_slots[:n])
 
     def refresh_device_mapping(self, num_tokens: int) -> None:
-        """Regroup from ``token_slots`` already on the device (CUDA graph replays)."""
         self.meta.update(self.token_slots[:num_tokens])
 
     def launch_configs(self, num_tokens: int, k: int, widths: list[int], rank: int) -> tuple:

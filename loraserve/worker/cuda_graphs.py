@@ -31,6 +31,8 @@ import time
 import torch
 
 from loraserve.worker.attention import AttentionMetadata, block_table_tensor
+from loraserve.worker.forward_context import ForwardContext
+from loraserve.worker.input_batch import PreparedInputs
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +49,14 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner) -> None:
-        self.runner = runner
-        sc = runner.config.scheduler_config
-        self.sizes = capture_sizes(min(sc.max_num_seqs, sc.max_num_batched_tokens))
+    def __init__(self, ctx: ForwardContext, max_batch: int, specialize_active_lora: bool) -> None:
+        """Graphs for decode batches of up to `max_batch` sequences."""
+        self.ctx = ctx
+        self.sizes = capture_sizes(max_batch)
         max_bs = self.sizes[-1]
-        dev = runner.device
-        lora = runner.loras is not None
-        specialize = runner.config.specialize_active_lora
+        dev = ctx.device
+        lora = ctx.lora
+        specialize = specialize_active_lora
         self.cases = [True] if lora and not specialize else ([False, True] if lora else [False])
         # Row 0: the last step's sampled ids (device-written). Rows 1-5 come from the
         # host in one copy: token ids, each token's source (an index into rows 0-1
@@ -71,7 +73,7 @@ class DecodeGraphs:
         self.slot_mapping = self._from_host[_SLOTS]
         self.seq_lens = self._from_host[_SEQ_LENS].view(torch.int32)[:max_bs]
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(max_bs, runner.max_blocks_per_seq, dtype=torch.int32,
+        self.block_tables = torch.zeros(max_bs, ctx.max_blocks_per_seq, dtype=torch.int32,
                                         device=dev)
         # The rows last copied into block_tables (the requests' lists grow in place).
         self._tables_on_device: list[list[int]] | None = None
@@ -87,52 +89,41 @@ class DecodeGraphs:
         return next(s for s in self.sizes if s >= num_seqs)
 
     def _forward(self, bs: int, with_lora: bool) -> torch.Tensor:
-        runner = self.runner
-        runner.punica.any_lora = with_lora
-        if with_lora:
-            runner.punica.refresh_device_mapping(bs)
-        logits_punica = runner.logits_punica
-        if logits_punica is not None:
+        ctx = self.ctx
+        ctx.punica.use_device_mapping(bs, with_lora)
+        if ctx.logits_punica is not None:
             # Every token of a decode step samples: the lm_head's rows are the tokens.
-            logits_punica.any_lora = with_lora
-            if with_lora:
-                logits_punica.token_slots[:bs].copy_(runner.punica.token_slots[:bs])
-                logits_punica.refresh_device_mapping(bs)
+            ctx.logits_punica.use_device_mapping(bs, with_lora, like=ctx.punica)
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs], query_start_loc=[], seq_lens=[],
-            block_tables=[], block_size=runner.block_size,
+            block_tables=[], block_size=ctx.block_size,
             query_start_loc_t=self.query_start_loc[: bs + 1], seq_lens_t=self.seq_lens[:bs],
             block_tables_t=self.block_tables[:bs], max_query_len=1,
         )
         # Each token's id: its own (row 1), or the one the last step sampled (row 0).
         input_ids = self.step_inputs[:2].view(-1)[self.token_source[:bs]]
-        hidden = runner.model(input_ids, self.positions[:bs], runner.kv_caches,
-                              runner.backend.attention(meta, runner.attn_workspace))
-        logits = runner.model.compute_logits(hidden)
-        runner.backend.ops.argmax(logits, out=self.sampled[:bs])
+        hidden = ctx.model(input_ids, self.positions[:bs], ctx.kv_caches,
+                           ctx.attention(meta, ctx.attn_workspace))
+        logits = ctx.model.compute_logits(hidden)
+        ctx.argmax(logits, out=self.sampled[:bs])
         return logits
-
-    def _lora_kernels(self, bs: int) -> tuple:
-        manager = self.runner.loras
-        if manager is None:
-            return ()
-        return tuple(sorted({w.launch_configs(bs) for w in manager.wrappers.values()}))
 
     @torch.no_grad()
     def capture(self) -> None:
-        dev = self.runner.device
+        ctx = self.ctx
+        dev = ctx.device
         torch.cuda.synchronize(dev)
         # torch.cuda.graph empties the allocator cache on entry; do it first so the
         # growth of reserved memory is what the graph pools take.
         torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(dev)
         start = time.perf_counter()
-        self.runner.punica.token_slots.fill_(-1)
-        if self.runner.logits_punica is not None:
-            self.runner.logits_punica.token_slots.fill_(-1)
+        ctx.punica.token_slots.fill_(-1)
+        if ctx.logits_punica is not None:
+            ctx.logits_punica.token_slots.fill_(-1)
         warmed_lora: set[tuple] = set()
         for bs in reversed(self.sizes):
-            lora_kernels = self._lora_kernels(bs)
+            lora_kernels = ctx.lora_launch_configs(bs)
             for case in self.cases:
                 # Warm-up: compiles kernels and sizes workspaces. The LoRA ops need it
                 # only where they meet new launch configs: from the largest size down,
@@ -156,33 +147,33 @@ class DecodeGraphs:
             self.capture_bytes / 2**30,
         )
 
-    def run(self, inputs) -> torch.Tensor:
+    def run(self, inputs: PreparedInputs) -> torch.Tensor:
         n = len(inputs.input_ids)
         bs = self.padded_size(n)
         if len(self.cases) == 2:
             case = any(s >= 0 for s in inputs.token_lora_slots)
         else:
             case = self.cases[0]
-        runner = self.runner
+        ctx = self.ctx
         self._from_host.copy_(self._host_inputs(inputs), non_blocking=True)
         # A sequence gains a block every block_size steps: most steps keep the tables.
         if inputs.block_tables != self._tables_on_device:
-            table = block_table_tensor(inputs.block_tables, runner.pin_memory)
+            table = block_table_tensor(inputs.block_tables, ctx.pin_memory)
             self.block_tables[:n, : table.shape[1]].copy_(table, non_blocking=True)
             self._tables_on_device = [list(row) for row in inputs.block_tables]
         if case:
-            slots = runner.punica.token_slots
-            slots[:n].copy_(runner.host_tensor(inputs.token_lora_slots, slots.dtype),
+            slots = ctx.punica.token_slots
+            slots[:n].copy_(ctx.host_tensor(inputs.token_lora_slots, slots.dtype),
                             non_blocking=True)
             slots[n:bs].fill_(-1)
         if inputs.pending_dst:
             # Only rank 0 sampled them (tensor parallelism; a no-op on one rank).
-            runner.tp.broadcast(self.sampled)
+            ctx.tp.broadcast(self.sampled)
         graph, logits = self.graphs[(bs, case)]
         graph.replay()
         return logits[:n]
 
-    def _host_inputs(self, inputs) -> torch.Tensor:
+    def _host_inputs(self, inputs: PreparedInputs) -> torch.Tensor:
         """`_from_host` (rows 1-5 of `step_inputs`) for this step, in pinned memory;
         padding rows get token 0, slot -1 and length 1."""
         max_bs = self.sizes[-1]
@@ -191,7 +182,7 @@ class DecodeGraphs:
         source = list(range(max_bs, 2 * max_bs))
         for dst, src in zip(inputs.pending_dst, inputs.pending_src, strict=True):
             source[dst] = src
-        host = torch.empty(_ROWS, max_bs, dtype=torch.long, pin_memory=self.runner.pin_memory)
+        host = torch.empty(_ROWS, max_bs, dtype=torch.long, pin_memory=self.ctx.pin_memory)
         host[_IDS:_SEQ_LENS] = torch.tensor([
             inputs.input_ids + [0] * pad, source, inputs.positions + [0] * pad,
             inputs.slot_mapping + [-1] * pad,

@@ -1,11 +1,14 @@
 """One step's work for the model runner, built by the engine core from the
-scheduler's decisions."""
+scheduler's decisions; the flat inputs the runner makes of it; and what the step
+gives back."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
-from loraserve.worker.sampler import SamplingRow
+from loraserve.lora.residency import LoRAResidency
+from loraserve.worker.sampler import PromptLogprobsBatch, SampledBatch, SamplingRow
 
 # Stands for a token sampled by the step in flight (async scheduling); the model
 # runner fills it in on the device from that step's sampled ids.
@@ -23,6 +26,12 @@ class SeqInput:
     sampling: SamplingRow | None
     # Set when the request wants prompt logprobs and this chunk predicts prompt tokens.
     prompt_logprobs: PromptLogprobsInput | None = None
+    # Whether the step samples for this sequence. Ranks other than 0 get the step
+    # without its sampling rows (only rank 0 samples) and read this instead.
+    samples: bool = False
+
+    def __post_init__(self) -> None:
+        self.samples = self.samples or self.sampling is not None
 
 
 @dataclass
@@ -35,6 +44,9 @@ class PromptLogprobsInput:
 @dataclass
 class StepInput:
     seqs: list[SeqInput]
+    # Adapters of running requests, scheduled this step or not: their device slots
+    # must not go to another adapter while the requests run.
+    running_loras: frozenset[str] = frozenset()
 
     @property
     def num_tokens(self) -> int:
@@ -42,3 +54,43 @@ class StepInput:
 
     def lora_names(self) -> set[str]:
         return {s.lora_name for s in self.seqs if s.lora_name is not None}
+
+    def for_other_ranks(self) -> StepInput:
+        """The step as ranks other than 0 run it: no sampling rows (they hold each
+        request's whole output and generator, and only rank 0 samples)."""
+        seqs = [dataclasses.replace(s, sampling=None, samples=s.samples) for s in self.seqs]
+        return StepInput(seqs, self.running_loras)
+
+
+@dataclass
+class StepOutput:
+    sampled: SampledBatch | None  # None when no sequence samples this step
+    # Prompt logprobs of the sequences that asked for them (None when none did).
+    prompt_logprobs: PromptLogprobsBatch | None = None
+    # The worker's adapters, when they changed since its last report.
+    lora: LoRAResidency | None = None
+
+
+@dataclass
+class PreparedInputs:
+    """A step flattened into the model's inputs, one entry per token or sequence."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    token_lora_slots: list[int]
+    sample_indices: list[int]
+    is_decode: bool  # one token per sequence, every sequence samples
+    # Pending tokens (async scheduling): where each goes in input_ids, and its
+    # row in the previous step's sampled ids, which are still on the device.
+    pending_dst: list[int] = field(default_factory=list)
+    pending_src: list[int] = field(default_factory=list)
+    # Prompt logprobs: the rows of the hidden states whose logits are read, the
+    # prompt token each predicts, and per asking sequence its row count and top-k.
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_counts: list[int] = field(default_factory=list)
+    prompt_num_top: list[int] = field(default_factory=list)

@@ -1,5 +1,12 @@
-"""Loads the model (and its LoRA wrappers), owns the KV cache tensors, and runs
-one step: inputs -> forward -> logits -> sampled tokens.
+"""The worker: loads the model (and its LoRA wrappers), owns the KV cache tensors
+and the adapters, and runs one step: adapter slots -> inputs -> forward -> logits
+-> sampled tokens.
+
+An executor drives it (loraserve.executor): the engine's `execute(step)` and
+`call(method, ...)` become the same method call on the runner of every
+tensor-parallel rank, so the public methods here are what an engine can ask of
+a worker. Each rank keeps its own adapters; the calls and steps it gets are the
+same on every rank, so its adapters are the same too.
 
 Which kernels run is chosen once, from the device (``backend.select_backend``):
 on a GPU the model, the LoRA op and attention run Triton kernels, decode
@@ -13,59 +20,30 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
 import torch
 
 from loraserve.config import EngineConfig
 from loraserve.distributed.parallel_state import SINGLE, TensorParallel
+from loraserve.lora.errors import LoRAError
 from loraserve.lora.manager import LoRAManager
+from loraserve.lora.request import LoRARequest
+from loraserve.lora.residency import LoRAResidency
 from loraserve.model.registry import build_model
 from loraserve.model.rope import head_dim_of
 from loraserve.model.weight_loader import init_dummy_weights, load_weights
-from loraserve.worker.attention import (
-    AttentionMetadata,
-    allocate_kv_cache,
-    block_table_tensor,
-    kv_block_bytes,
-)
+from loraserve.worker.attention import allocate_kv_cache, kv_block_bytes
 from loraserve.worker.backend import select_backend
-from loraserve.worker.input_batch import PENDING_TOKEN, StepInput
+from loraserve.worker.forward_context import ForwardContext, PendingTokens
+from loraserve.worker.input_batch import PENDING_TOKEN, PreparedInputs, StepInput, StepOutput
 from loraserve.worker.piecewise_graphs import PiecewiseGraphs
-from loraserve.worker.sampler import (
-    PromptLogprobsBatch,
-    SampledBatch,
-    Sampler,
-    prompt_logprobs,
-)
+from loraserve.worker.sampler import Sampler, prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
 # CPU has no memory profile to size against: cap the KV cache at this much.
 _CPU_KV_CACHE_BYTES = 2 << 30
-
-
-@dataclass
-class PreparedInputs:
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    query_start_loc: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
-    token_lora_slots: list[int]
-    sample_indices: list[int]
-    is_decode: bool  # one token per sequence, every sequence samples
-    # Pending tokens (async scheduling): where each goes in input_ids, and its
-    # row in the previous step's sampled ids, which are still on the device.
-    pending_dst: list[int] = field(default_factory=list)
-    pending_src: list[int] = field(default_factory=list)
-    # Prompt logprobs: the rows of the hidden states whose logits are read, the
-    # prompt token each predicts, and per asking sequence its row count and top-k.
-    prompt_rows: list[int] = field(default_factory=list)
-    prompt_targets: list[int] = field(default_factory=list)
-    prompt_counts: list[int] = field(default_factory=list)
-    prompt_num_top: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -97,7 +75,7 @@ class ModelRunner:
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         num_slots = config.lora_config.max_loras if config.lora_config else 1
         self.punica = self.backend.punica_wrapper(self.max_num_tokens, num_slots, self.device)
-        # The LoRA facade the engine drives: adapter caches, device slots, loads.
+        # This worker's adapters: CPU cache, device slots, background loads.
         self.loras: LoRAManager | None = None
         # The lm_head's LoRA maps the rows whose logits are computed, not the tokens.
         self.logits_punica = None
@@ -107,9 +85,6 @@ class ModelRunner:
                     self.max_num_tokens, num_slots, self.device)
             self.loras = LoRAManager(self.model, config.lora_config, self.punica,
                                      logits_punica=self.logits_punica)
-            if tp.world_size > 1 and tp.is_driver:
-                # The slots rank 0 writes, for the other ranks to write the same.
-                self.loras.slots.slot_log = []
 
         hf = mc.hf_config
         self.num_layers = hf.num_hidden_layers
@@ -120,35 +95,47 @@ class ModelRunner:
         self.head_dim = head_dim_of(hf)
         self.block_size = config.cache_config.block_size
         self.max_blocks_per_seq = -(-mc.max_model_len // self.block_size)
-        self.attn_workspace = self.backend.attention.make_workspace(
-            num_heads, self.head_dim, self.device)
         self.sampler = Sampler(self.device, mc.seed, argmax=self.backend.ops.argmax)
-        self.pin_memory = self.device.type == "cuda"  # see host_tensor
         # The last step's sampled ids on the device, and each request's row there.
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
 
         # A scratch KV cache of one block serves the profiling pass.
-        self.kv_caches = allocate_kv_cache(
-            self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim,
-            self.dtype, self.device,
+        self.ctx = ForwardContext(
+            model=self.model,
+            kv_caches=allocate_kv_cache(self.num_layers, 1, self.block_size, self.num_kv_heads,
+                                        self.head_dim, self.dtype, self.device),
+            attention=self.backend.attention,
+            attn_workspace=self.backend.attention.make_workspace(
+                num_heads, self.head_dim, self.device),
+            punica=self.punica, logits_punica=self.logits_punica,
+            argmax=self.backend.ops.argmax, tp=tp, device=self.device, dtype=self.dtype,
+            block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
+            lora_wrappers=self.loras.wrappers if self.loras is not None else {},
         )
         peak = self._profile() if self.device.type == "cuda" else 0
         # Every rank's cache holds the same blocks: the smallest count fits them all.
         self.num_kv_blocks = tp.min_int(self._decide_num_blocks(peak))
-        self.kv_caches = allocate_kv_cache(
+        self.ctx.kv_caches = allocate_kv_cache(
             self.num_layers, self.num_kv_blocks, self.block_size, self.num_kv_heads,
             self.head_dim, self.dtype, self.device,
         )
         self.graphs = None
         self.pieces: PiecewiseGraphs | None = None
         if self.backend.decode_graphs is not None and not config.enforce_eager:
-            self.graphs = self.backend.decode_graphs(self)
+            sc = config.scheduler_config
+            self.graphs = self.backend.decode_graphs(
+                self.ctx, min(sc.max_num_seqs, sc.max_num_batched_tokens),
+                config.specialize_active_lora)
             self.graphs.capture()
             if config.cudagraph_mode == "FULL_AND_PIECEWISE":
                 # One memory pool for both kinds of graph: only one runs at a time.
-                self.pieces = PiecewiseGraphs(self)
+                self.pieces = PiecewiseGraphs(self.ctx, self.max_num_tokens)
                 self.pieces.capture(pool=self.graphs.pool)
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.ctx.kv_caches
 
     # ---- memory ------------------------------------------------------------------
 
@@ -216,6 +203,17 @@ class ModelRunner:
 
     # ---- a step --------------------------------------------------------------------
 
+    @torch.no_grad()
+    def execute(self, step: StepInput) -> StepOutput:
+        """Give the step's adapters device slots, then queue its forward pass and
+        sampling on the device without waiting for them. Only rank 0 samples."""
+        slots = (self.loras.set_active(step.lora_names(), step.running_loras)
+                 if self.loras is not None else {})
+        inputs = self.prepare(step, slots)
+        out = self._run(step, inputs)
+        out.lora = self.loras.residency_if_changed() if self.loras is not None else None
+        return out
+
     def prepare(self, step: StepInput, lora_slots: dict[str, int]) -> PreparedInputs:
         bs = self.block_size
         inputs = PreparedInputs([], [], [], [0], [], [], [], [], True)
@@ -233,7 +231,7 @@ class ModelRunner:
             inputs.block_tables.append(seq.block_ids)
             slot = lora_slots.get(seq.lora_name, -1) if seq.lora_name is not None else -1
             inputs.token_lora_slots.extend([slot] * n)
-            if seq.sampling is not None:
+            if seq.samples:
                 inputs.sample_indices.append(inputs.query_start_loc[-1] - 1)
             plp = seq.prompt_logprobs
             if plp is not None and plp.targets:
@@ -242,84 +240,56 @@ class ModelRunner:
                 inputs.prompt_targets.extend(plp.targets)
                 inputs.prompt_counts.append(len(plp.targets))
                 inputs.prompt_num_top.append(plp.num_top)
-            if n != 1 or seq.sampling is None:
+            if n != 1 or not seq.samples:
                 inputs.is_decode = False
         return inputs
 
-    @torch.no_grad()
-    def launch(
-        self, step: StepInput, lora_slots: dict[str, int]
-    ) -> tuple[SampledBatch | None, PromptLogprobsBatch | None]:
-        """Queue the step's forward pass and sampling on the device without waiting
-        for them: the sampled batch (None when no sequence samples this step) and the
-        prompt logprobs of the sequences that asked for them (None when none did)."""
-        inputs = self.prepare(step, lora_slots)
-        if self.tp.world_size > 1:
-            self.share_step(inputs)
-        sampling = [s for s in step.seqs if s.sampling is not None]
-        rows = [s.sampling for s in sampling]
+    def _run(self, step: StepInput, inputs: PreparedInputs) -> StepOutput:
+        sampling = [s for s in step.seqs if s.samples]
+        # Each sampled sequence's row in this step's ids, where the next step's
+        # pending token comes from (every rank tracks it; only rank 0 fills it).
+        self._last_rows = {s.request_id: i for i, s in enumerate(sampling)}
         graphs = self.graphs
-        batch = None
-        prompt_lps = None
+        out = StepOutput(None)
         if self._uses_graph(inputs):
             logits = graphs.run(inputs)
+            if not self.tp.is_driver:
+                return out
+            rows = [s.sampling for s in sampling]
             if self.sampler.argmax_suffices(rows):
                 # The graph took the argmax already, into graphs.sampled.
-                batch = self.sampler.from_argmax(graphs.sampled[: len(rows)])
+                out.sampled = self.sampler.from_argmax(graphs.sampled[: len(rows)])
+                self._last_sampled = out.sampled.token_ids
+                return out
         else:
             hidden = self._forward(inputs)
+            if not self.tp.is_driver:
+                return out
             if inputs.prompt_rows:
                 row_slots = [inputs.token_lora_slots[r] for r in inputs.prompt_rows]
-                prompt_lps = prompt_logprobs(
+                out.prompt_logprobs = prompt_logprobs(
                     lambda h, rows: self.compute_logits(h, row_slots[rows]),
-                    hidden[self.to_device(inputs.prompt_rows)],
+                    hidden[self.ctx.to_device(inputs.prompt_rows)],
                     inputs.prompt_targets, inputs.prompt_counts, inputs.prompt_num_top)
             if not sampling:
-                self._last_sampled, self._last_rows = None, {}
-                return None, prompt_lps
+                self._last_sampled = None
+                return out
+            rows = [s.sampling for s in sampling]
             logits = self.compute_logits(
-                hidden[self.to_device(inputs.sample_indices)],
+                hidden[self.ctx.to_device(inputs.sample_indices)],
                 [inputs.token_lora_slots[i] for i in inputs.sample_indices])
-        if batch is None:
-            batch = self.sampler.sample(logits, rows)
-            if graphs is not None:
-                # A decode graph takes the next step's pending tokens from there.
-                graphs.sampled[: len(rows)].copy_(batch.token_ids)
-        self._last_sampled = batch.token_ids
-        self._last_rows = {s.request_id: i for i, s in enumerate(sampling)}
-        return batch, prompt_lps
+        out.sampled = self.sampler.sample(logits, rows)
+        if graphs is not None:
+            # A decode graph takes the next step's pending tokens from there.
+            graphs.sampled[: len(rows)].copy_(out.sampled.token_ids)
+        self._last_sampled = out.sampled.token_ids
+        return out
 
     def _uses_graph(self, inputs: PreparedInputs) -> bool:
         # A sequence reading prompt logits has a chunk without sampling or longer
         # than one token: such a step is never a decode step, so never a graph.
         return (self.graphs is not None and inputs.is_decode
                 and self.graphs.fits(len(inputs.seq_lens)))
-
-    # ---- tensor parallelism ------------------------------------------------------
-
-    def share_step(self, inputs: PreparedInputs) -> None:
-        """Rank 0: send the step and the adapter slots written since the last one."""
-        log = self.loras.slots.slot_log if self.loras is not None else None
-        writes = list(log) if log else []
-        if log:
-            log.clear()
-        self.tp.broadcast_object((inputs, writes))
-
-    @torch.no_grad()
-    def run_shared_step(self) -> bool:
-        """Ranks 1 .. N-1: run rank 0's next step on this shard (no logits: rank 0
-        samples). False when rank 0 stops the group."""
-        message = self.tp.broadcast_object()
-        if message is None:
-            return False
-        inputs, writes = message
-        for slot, adapter in writes:
-            self.loras.write_shared_slot(slot, adapter)
-        if self._uses_graph(inputs):
-            self.graphs.run(inputs)
-        else:
-            self._forward(inputs)
-        return True
 
     def compute_logits(self, hidden: torch.Tensor, row_slots: list[int]) -> torch.Tensor:
         """Logits of these rows of the hidden states; ``row_slots`` are their adapters'
@@ -329,58 +299,73 @@ class ModelRunner:
                 self.logits_punica.update_mapping(row_slots)
             else:
                 # No adapter in a slot adapts the lm_head: skip its mapping and op.
-                self.logits_punica.any_lora = False
+                self.logits_punica.clear_mapping()
         return self.model.compute_logits(hidden)
 
-    def host_tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        """Host inputs go through pinned memory: a copy from pageable memory may wait
-        for the step already running on the device."""
-        return torch.tensor(values, dtype=dtype, pin_memory=self.pin_memory)
-
-    def to_device(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
-        return self.host_tensor(values, dtype).to(self.device, non_blocking=True)
-
-    def fill_pending(self, input_ids: torch.Tensor, inputs: PreparedInputs) -> None:
-        """Put the tokens the previous step sampled, still on the device, in place.
-        Only rank 0 holds them; the other ranks take its ids."""
-        if not inputs.pending_dst:
-            return
-        if self.tp.is_driver:
-            input_ids[self.to_device(inputs.pending_dst)] = self._last_sampled[
-                self.to_device(inputs.pending_src)]
-        self.tp.broadcast(input_ids)
+    def _pending(self, inputs: PreparedInputs) -> PendingTokens:
+        return PendingTokens(self._last_sampled, inputs.pending_dst, inputs.pending_src)
 
     def _forward(self, inputs: PreparedInputs) -> torch.Tensor:
         """The hidden states of a step that no decode graph takes: replayed in
         pieces where a token bucket fits it, else eager. Every rank decides alike,
         so their collectives match."""
         if self.pieces is not None and self.pieces.fits(len(inputs.input_ids)):
-            return self.pieces.run(inputs)
+            return self.pieces.run(inputs, self._pending(inputs))
         return self._forward_eager(inputs)
 
     def _forward_eager(self, inputs: PreparedInputs) -> torch.Tensor:
+        ctx = self.ctx
         self.punica.update_mapping(inputs.token_lora_slots)
-        meta = self.attention_metadata(inputs)
-        attn = self.backend.attention(meta, self.attn_workspace)
-        input_ids = self.to_device(inputs.input_ids)
-        self.fill_pending(input_ids, inputs)
-        return self.model(input_ids, self.to_device(inputs.positions), self.kv_caches, attn)
+        attn = ctx.attention_for(inputs)
+        input_ids = ctx.to_device(inputs.input_ids)
+        self._pending(inputs).fill(input_ids, ctx)
+        return self.model(input_ids, ctx.to_device(inputs.positions), ctx.kv_caches, attn)
 
-    def attention_metadata(self, inputs: PreparedInputs) -> AttentionMetadata:
-        meta = AttentionMetadata(
-            slot_mapping=self.to_device(inputs.slot_mapping),
-            query_start_loc=inputs.query_start_loc,
-            seq_lens=inputs.seq_lens,
-            block_tables=inputs.block_tables,
-            block_size=self.block_size,
-        )
-        if self.backend.attention.device_metadata:
-            meta.block_tables_t = block_table_tensor(
-                inputs.block_tables, self.pin_memory).to(self.device, non_blocking=True)
-            meta.query_start_loc_t = self.to_device(inputs.query_start_loc, torch.int32)
-            meta.seq_lens_t = self.to_device(inputs.seq_lens, torch.int32)
-            meta.max_query_len = max(
-                b - a for a, b in zip(inputs.query_start_loc, inputs.query_start_loc[1:],
-                                      strict=False)
-            )
-        return meta
+    # ---- adapters --------------------------------------------------------------------
+    # What the engine asks of the worker's adapters; each answers with what is resident.
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.loras is None:
+            raise ValueError("LoRA is not enabled; start with enable_lora (--enable-lora)")
+        return self.loras
+
+    def add_lora(self, lora_request: LoRARequest, pinned: bool = False,
+                 protected: Iterable[str] = ()) -> LoRAResidency:
+        """Read the adapter now (raises LoRAError) and cache it, with a device slot
+        if one is free or held by an adapter that is not `protected`."""
+        manager = self._lora_manager()
+        manager.add(lora_request, pinned, protected)
+        return manager.residency()
+
+    def start_lora_loads(self, lora_requests: list[LoRARequest]) -> None:
+        self._lora_manager().start_loads(lora_requests)
+
+    def finished_lora_loads(self) -> list[tuple[str, LoRAError | None]]:
+        return self._lora_manager().finished_loads()
+
+    def commit_lora_loads(self, names: list[str], failed: list[str], pinned: list[str],
+                          activate: list[str], protected: list[str]) -> LoRAResidency:
+        manager = self._lora_manager()
+        manager.commit_loads(names, failed, pinned, activate, protected)
+        return manager.residency()
+
+    def remove_lora(self, name: str, request_ids: list[int]
+                    ) -> tuple[bool, frozenset[int], LoRAResidency]:
+        manager = self._lora_manager()
+        found, retired = manager.remove(name, request_ids)
+        return found, retired, manager.residency()
+
+    def pin_lora(self, name: str) -> LoRAResidency:
+        manager = self._lora_manager()
+        manager.pin(name)
+        return manager.residency()
+
+    def lora_residency(self) -> LoRAResidency:
+        return self.loras.residency() if self.loras is not None else LoRAResidency()
+
+    def lora_memory_usage(self) -> dict[str, int]:
+        return self.loras.memory_usage() if self.loras is not None else {}
+
+    def shutdown(self) -> None:
+        if self.loras is not None:
+            self.loras.shutdown()

@@ -35,6 +35,9 @@ import time
 
 import torch
 
+from loraserve.worker.forward_context import ForwardContext, PendingTokens
+from loraserve.worker.input_batch import PreparedInputs
+
 logger = logging.getLogger(__name__)
 
 # Steps above this many tokens run eagerly: there the device's time, not the
@@ -56,18 +59,18 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 
 class PiecewiseGraphs:
-    def __init__(self, runner, capture: bool = True) -> None:
-        self.runner = runner
+    def __init__(self, ctx: ForwardContext, max_num_tokens: int, capture: bool = True) -> None:
+        """Pieces for steps of up to `max_num_tokens` tokens (or MAX_TOKENS)."""
+        self.ctx = ctx
         self.capture_graphs = capture
-        self.model = runner.model.model
-        sc = runner.config.scheduler_config
-        self.sizes = token_buckets(min(MAX_TOKENS, sc.max_num_batched_tokens))
+        self.model = ctx.model.model
+        self.sizes = token_buckets(min(MAX_TOKENS, max_num_tokens))
         max_t = self.sizes[-1]
         attn = self.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.head_dim, self.q_size, self.kv_size = attn.head_dim, attn.q_size, attn.kv_size
-        hidden = runner.model.config.hidden_size
-        dev, dtype = runner.device, runner.dtype
+        hidden = ctx.model.config.hidden_size
+        dev, dtype = ctx.device, ctx.dtype
         # Rows 0-1: token ids and positions, from the host in one copy.
         self.step_inputs = torch.zeros(2, max_t, dtype=torch.long, device=dev)
         self.input_ids, self.positions = self.step_inputs[0], self.step_inputs[1]
@@ -75,7 +78,7 @@ class PiecewiseGraphs:
         self.attn_out = torch.zeros(max_t, self.q_size, dtype=dtype, device=dev)
         self.residual = torch.zeros(max_t, hidden, dtype=dtype, device=dev)
         self.hidden_out = torch.zeros(max_t, hidden, dtype=dtype, device=dev)
-        self.lora = runner.loras is not None
+        self.lora = ctx.lora
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.pool = None
         self.capture_seconds = 0.0
@@ -105,7 +108,7 @@ class PiecewiseGraphs:
         if index == 0:
             if self.lora and self.capture_graphs:
                 # Regroup the tokens by adapter from the slots staged on the device.
-                self.runner.punica.refresh_device_mapping(size)
+                self.ctx.punica.use_device_mapping(size, True)
             hidden, residual = self.model.embed_tokens(self.input_ids[:size]), None
         else:
             hidden, residual = layers[index - 1].after_attention(self.attn_out[:size],
@@ -121,7 +124,7 @@ class PiecewiseGraphs:
     def _attend(self, index: int, num_tokens: int, attn) -> None:
         layer = self.model.layers[index]
         out = layer.self_attn.attend(self.positions[:num_tokens], *self._qkv_views(num_tokens),
-                                     self.runner.kv_caches[index], attn)
+                                     self.ctx.kv_caches[index], attn)
         self.attn_out[:num_tokens].copy_(out)
 
     # ---- capture and run -------------------------------------------------------------
@@ -130,16 +133,14 @@ class PiecewiseGraphs:
     def capture(self, pool=None) -> None:
         """Capture every bucket's pieces, largest first (`pool`: share the decode
         graphs' memory pool)."""
-        dev = self.runner.device
+        dev = self.ctx.device
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(dev)
         start = time.perf_counter()
         self.pool = pool
-        punica = self.runner.punica
         if self.lora:
-            punica.token_slots.fill_(-1)
-            punica.any_lora = True
+            self.ctx.punica.token_slots.fill_(-1)
         for size in reversed(self.sizes):
             # Warm-up: compiles each piece's kernels at this size and sizes workspaces.
             for index in range(self.num_pieces):
@@ -162,23 +163,23 @@ class PiecewiseGraphs:
                     len(self.sizes), self.sizes[-1], self.num_pieces, self.capture_seconds,
                     self.capture_bytes / 2**30)
 
-    def run(self, inputs) -> torch.Tensor:
+    def run(self, inputs: PreparedInputs, pending: PendingTokens) -> torch.Tensor:
         """The final hidden states [n, hidden] of the step's n tokens."""
-        runner = self.runner
+        ctx = self.ctx
         n = len(inputs.input_ids)
         size = self.padded_size(n)
         pad = size - n
-        host = runner.host_tensor([inputs.input_ids + [0] * pad, inputs.positions + [0] * pad])
+        host = ctx.host_tensor([inputs.input_ids + [0] * pad, inputs.positions + [0] * pad])
         self.step_inputs[:, :size].copy_(host, non_blocking=True)
-        runner.fill_pending(self.input_ids[:n], inputs)
+        pending.fill(self.input_ids[:n], ctx)
         slots = inputs.token_lora_slots + [-1] * pad
         if self.lora and self.capture_graphs:
-            device_slots = runner.punica.token_slots
-            device_slots[:size].copy_(runner.host_tensor(slots, device_slots.dtype),
+            device_slots = ctx.punica.token_slots
+            device_slots[:size].copy_(ctx.host_tensor(slots, device_slots.dtype),
                                       non_blocking=True)
         elif self.lora:
-            runner.punica.update_mapping(slots)
-        attn = runner.backend.attention(runner.attention_metadata(inputs), runner.attn_workspace)
+            ctx.punica.update_mapping(slots)
+        attn = ctx.attention_for(inputs)
         graphs = self.graphs.get(size) if self.capture_graphs else None
         for index in range(self.num_pieces):
             if graphs is None:
