@@ -16,8 +16,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from serve_utils import ServerProcess
 
-from benchmarks import make_bench_setup
-from benchmarks.serve import cli, load, report, server_metrics
+from benchmarks import make_bench_setup, workload
+from benchmarks.serve import cli, report, server_metrics
 
 NUM_REQUESTS = 12
 INPUT_LEN = 16
@@ -111,7 +111,7 @@ def test_serve_benchmark(server, tmp_path, rate_args):
     counts = {name: sum(r["model"] == name for r in records) for name in ADAPTERS}
     assert sum(counts.values()) == NUM_REQUESTS
     assert results["model_counts"] == {k: v for k, v in counts.items() if v}
-    expected = load.pick_models(NUM_REQUESTS, "base", ADAPTERS, "zipf", 1.1, 0.0,
+    expected = workload.pick_models(NUM_REQUESTS, "base", ADAPTERS, "zipf", 1.1, 0.0,
                                  random.Random("3-models"))
     assert [r["model"] for r in records] == expected
     # Send times follow the schedule: all at 0 for inf, 1/40 s apart for fixed.
@@ -144,7 +144,7 @@ def test_open_loop_run_stops_at_max_outstanding(server):
     argv = [server.url, "--num-requests", "8", "--request-rate", "1000",
             "--max-outstanding", "2", "--input-len", "8", "--output-len", "8",
             "--request-timeout", "60", "--seed", "1"]
-    offsets = load.arrival_offsets(8, 1000.0, "poisson", random.Random("1-arrivals"))
+    offsets = workload.arrival_offsets(8, 1000.0, "poisson", random.Random("1-arrivals"))
     assert offsets[2] < 0.05  # the third is due long before a request can finish
     results = cli.main(argv)
     sent = [r for r in results["requests"] if r["sent"]]
@@ -174,41 +174,41 @@ def test_zipf_sampling_matches_its_distribution():
     n, adapters = 20000, [f"a{k}" for k in range(10)]
     harmonic = sum(1 / k for k in range(1, 11))
     zipf = [1 / k / harmonic for k in range(1, 11)]
-    assert load.adapter_weights(10, "zipf", 1.0) == pytest.approx(zipf)
-    picks = load.pick_models(n, "base", adapters, "zipf", 1.0, 0.0, random.Random(7))
+    assert workload.adapter_weights(10, "zipf", 1.0) == pytest.approx(zipf)
+    picks = workload.pick_models(n, "base", adapters, "zipf", 1.0, 0.0, random.Random(7))
     counts = [picks.count(a) for a in adapters]
     assert sum(counts) == n
     assert chi_square(counts, zipf) < CHI2_999_DF9
     assert chi_square(counts, [0.1] * 10) > 100 * CHI2_999_DF9
-    assert chi_square(counts, load.adapter_weights(10, "zipf", 2.0)) > 100 * CHI2_999_DF9
+    assert chi_square(counts, workload.adapter_weights(10, "zipf", 2.0)) > 100 * CHI2_999_DF9
     assert counts[:5] == sorted(counts[:5], reverse=True)
-    uniform = load.pick_models(n, "base", adapters, "uniform", 1.0, 0.0, random.Random(7))
+    uniform = workload.pick_models(n, "base", adapters, "uniform", 1.0, 0.0, random.Random(7))
     assert chi_square([uniform.count(a) for a in adapters], [0.1] * 10) < CHI2_999_DF9
     # The same seed draws the same adapters.
-    assert load.pick_models(50, "base", adapters, "zipf", 1.0, 0.0,
+    assert workload.pick_models(50, "base", adapters, "zipf", 1.0, 0.0,
                             random.Random(7)) == picks[:50]
 
 
 def test_base_fraction_and_no_adapters():
     n, adapters = 20000, ["a", "b", "c"]
-    picks = load.pick_models(n, "base", adapters, "uniform", 1.0, 0.25, random.Random(0))
+    picks = workload.pick_models(n, "base", adapters, "uniform", 1.0, 0.25, random.Random(0))
     assert picks.count("base") / n == pytest.approx(0.25, abs=0.015)
     for name in adapters:
         assert picks.count(name) / n == pytest.approx(0.25, abs=0.015)
-    assert load.pick_models(5, "base", [], "zipf", 1.0, 0.0, random.Random(0)) == ["base"] * 5
+    assert workload.pick_models(5, "base", [], "zipf", 1.0, 0.0, random.Random(0)) == ["base"] * 5
 
 
 def test_poisson_interarrivals():
     """Exponential gaps of mean 1/rate (their spread equals their mean, which
     fixed gaps lack), the first request at 0, and the same times for a seed."""
-    poisson = load.arrival_offsets(4000, 20.0, "poisson", random.Random(0))
+    poisson = workload.arrival_offsets(4000, 20.0, "poisson", random.Random(0))
     gaps = [b - a for a, b in zip(poisson, poisson[1:], strict=False)]
     assert poisson[0] == 0.0 and all(g >= 0 for g in gaps)
     assert statistics.mean(gaps) == pytest.approx(1 / 20, rel=0.05)
     assert statistics.stdev(gaps) == pytest.approx(1 / 20, rel=0.07)
-    assert load.arrival_offsets(4000, 20.0, "poisson", random.Random(0)) == poisson
-    assert load.arrival_offsets(3, 4.0, "fixed", random.Random(0)) == [0.0, 0.25, 0.5]
-    assert load.arrival_offsets(3, math.inf, "poisson", random.Random(0)) == [0.0, 0.0, 0.0]
+    assert workload.arrival_offsets(4000, 20.0, "poisson", random.Random(0)) == poisson
+    assert workload.arrival_offsets(3, 4.0, "fixed", random.Random(0)) == [0.0, 0.25, 0.5]
+    assert workload.arrival_offsets(3, math.inf, "poisson", random.Random(0)) == [0.0, 0.0, 0.0]
 
 
 def test_percentiles_on_known_data():
@@ -303,7 +303,9 @@ def test_phases_with_length_ranges_over_two_clients(server, tmp_path):
     assert lora_row[6] == f"{results['lora_ttft_max_ms']:.2f}"
     assert lora_row[7] == "0"  # failed
     assert "server: `loraserve serve tiny --max-loras 2`" in lines[3]
-    assert shlex.join(["python", "-m", "benchmarks.serve", *argv]) in lines[3]
+    # The command that measures it: without the flags that only say where figures go.
+    measured = argv[:argv.index("--json")]  # the reporting flags come last
+    assert f"client: `{shlex.join(['python', '-m', 'benchmarks.serve', *measured])}` |" in lines[3]
     # A second run appends rows under the same header.
     cli.main([*argv[:4], "lora", *argv[7:]])  # no warm-up, one LoRA phase
     lines = rows.read_text().splitlines()
@@ -318,9 +320,17 @@ def test_poisson_phases_share_their_send_times(server):
                         "--adapter-dist", "zipf", "--input-len", "8", "--output-len", "4",
                         "--request-timeout", "60", "--seed", "2"])
     assert results["failures"] == 0
-    expected = load.arrival_offsets(10, 100.0, "poisson", random.Random("2-arrivals"))
+    expected = workload.arrival_offsets(10, 100.0, "poisson", random.Random("2-arrivals"))
     for phase in results["phases"]:
         assert [r["scheduled_s"] for r in phase["requests"]] == pytest.approx(expected)
         assert all(r["start_s"] >= r["scheduled_s"] - 1e-3 for r in phase["requests"])
         models = {r["model"] for r in phase["requests"]}
         assert models == {"base"} if phase["phase"] == "base" else models <= set(ADAPTERS)
+
+
+def test_row_command_leaves_out_reporting_flags():
+    command = ("python -m benchmarks.serve http://h:1 --json a.json --label 'c 64' "
+               "--results-md=r.md --notes 'start 9 s' --server-command 'loraserve serve m' "
+               "--num-requests 4 --adapter-pattern 'lora{}'")
+    assert report.measurement_command(command) == (
+        "python -m benchmarks.serve http://h:1 --num-requests 4 --adapter-pattern 'lora{}'")

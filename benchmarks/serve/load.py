@@ -1,14 +1,12 @@
-"""Load generation: when each request goes, to which model, with which prompt
-and lengths, and one streamed completion timed from send to [DONE]."""
+"""Load generation: one streamed completion timed from send to [DONE], and the
+requests of a run sent at their times (when each goes, to which model, with which
+prompt and lengths comes from benchmarks.workload)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
-import math
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -17,66 +15,6 @@ try:
     import httpx
 except ImportError:  # the GPU machine's image has the drop-in fork only
     import httpx2 as httpx
-
-
-def arrival_offsets(num: int, rate: float, arrival: str, rng: random.Random) -> list[float]:
-    """Send time of each request, in seconds from the start of the run.
-
-    An infinite rate sends everything at once. A Poisson process has exponential
-    gaps of mean 1/rate; a fixed one has gaps of exactly 1/rate. The first request
-    goes at 0 either way, so the run does not start with an idle gap.
-    """
-    if math.isinf(rate):
-        return [0.0] * num
-    offsets, now = [], 0.0
-    for i in range(num):
-        if i:
-            now += rng.expovariate(rate) if arrival == "poisson" else 1.0 / rate
-        offsets.append(now)
-    return offsets
-
-
-def adapter_weights(num: int, dist: str, zipf_alpha: float) -> list[float]:
-    """Probability of each adapter, by its rank in the list (the first is the most
-    popular under Zipf: p_k proportional to 1 / k**alpha, over the num adapters)."""
-    if num == 0:
-        return []
-    if dist == "uniform":
-        raw = [1.0] * num
-    else:
-        raw = [1.0 / (k ** zipf_alpha) for k in range(1, num + 1)]
-    total = sum(raw)
-    return [w / total for w in raw]
-
-
-def pick_models(num: int, base: str, adapters: list[str], dist: str, zipf_alpha: float,
-                base_fraction: float, rng: random.Random) -> list[str]:
-    """The model name of each request: the base with probability base_fraction
-    (always when there are no adapters), else an adapter drawn from the distribution."""
-    weights = adapter_weights(len(adapters), dist, zipf_alpha)
-    # Cumulative weights once: 1,024 adapters would otherwise be summed per draw.
-    cumulative = list(itertools.accumulate(weights))
-    models = []
-    for _ in range(num):
-        if not adapters or rng.random() < base_fraction:
-            models.append(base)
-        else:
-            models.append(rng.choices(adapters, cum_weights=cumulative)[0])
-    return models
-
-
-def random_prompts(num: int, input_len: int, vocab_size: int,
-                   rng: random.Random) -> list[list[int]]:
-    """Random token ids, away from the ends of the vocabulary where tokenizers
-    usually keep their special tokens (a tiny vocabulary keeps the whole range)."""
-    margin = min(100, vocab_size // 4)
-    low, high = margin, vocab_size - margin
-    return [[rng.randrange(low, high) for _ in range(input_len)] for _ in range(num)]
-
-
-def draw_lengths(num: int, bounds: tuple[int, int], rng: random.Random) -> list[int]:
-    low, high = bounds
-    return [rng.randint(low, high) for _ in range(num)]
 
 
 @dataclass

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.results import command_words
-from benchmarks.serve.load import RequestRecord, Target, adapter_weights
+from benchmarks.serve.load import RequestRecord, Target
+from benchmarks.workload import adapter_weights
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -214,6 +215,25 @@ RESULTS_HEADER = [
 ]
 
 
+# Flags that only say where the figures go: left out of the command a row shows.
+REPORTING_FLAGS = ("--json", "--results-md", "--label", "--notes", "--server-command")
+
+
+def measurement_command(command: str) -> str:
+    """The command without its reporting flags (and their values): what to run
+    again to measure the same."""
+    words, kept = shlex.split(command), []
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in REPORTING_FLAGS:
+            skip = True
+        elif not word.startswith(tuple(f"{flag}=" for flag in REPORTING_FLAGS)):
+            kept.append(word)
+    return shlex.join(kept)
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -221,8 +241,9 @@ def _cell(text: str) -> str:
 def results_rows(results: dict[str, Any], label: str, notes: str = "",
                  server_command: str = "") -> list[str]:
     """Markdown rows of one invocation for a results file: one per kind of phase
-    (the medians over that kind's phases), or one for a run without phases."""
-    command = f"`{results['command']}`"
+    (the medians over that kind's phases), or one for a run without phases; each
+    with the command that measures it (the JSON keeps the whole command line)."""
+    command = f"`{measurement_command(results['command'])}`"
     if server_command:
         command = f"server: `{server_command}`; client: {command}"
     tail = f" {_cell(notes)} | {_cell(command)} |"

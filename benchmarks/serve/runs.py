@@ -15,17 +15,14 @@ from typing import Any
 from benchmarks.serve.load import (
     RequestRecord,
     Target,
-    arrival_offsets,
-    draw_lengths,
     httpx,
     payload,
-    pick_models,
-    random_prompts,
     send_requests,
     stream_completion,
 )
 from benchmarks.serve.report import build_results, compare_phases, header
 from benchmarks.serve.server_metrics import mean_over_run, scrape_step_adapters
+from benchmarks.workload import arrival_offsets, draw_lengths, pick_models, random_prompts
 
 
 async def discover_models(client: httpx.AsyncClient, base_url: str,
