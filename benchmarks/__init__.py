@@ -10,7 +10,10 @@ and the command of each, ``bash benchmarks/gpu_suite.sh`` runs them all.
 - ``profile``: where the time goes (decode steps, served steps, the offline
   run, the decode run's timeline, compiles on first use);
 - ``kernels``: the Triton kernels alone, and the tuners of their launch tables;
-- ``make_bench_setup``: the Llama-3-8B-shaped model and adapters, no download;
+- ``make_bench_setup``: the Llama-3-8B-shaped model and adapters (N of them as hard
+  links to K weight files, and the files that register them all), no download;
+- ``many_adapters.sh``: the many-adapter serving runs (the ``many`` stage of
+  ``gpu_suite.sh``);
 - ``workload``, ``results``, ``synthetic``: what the scripts share (prompts,
   adapters and flags; the machine, the command and the JSON; the model and
   adapter files).

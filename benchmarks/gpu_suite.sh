@@ -48,6 +48,9 @@
 #   steps     base against LoRA per kind of step: host, wall and GPU kernel time of decode
 #             steps and of decode plus a prefill chunk (profile/steps.py; STEPS_ARGS);
 #             once per mode of GRAPH_MODES
+#   many      many adapters per GPU: one server per setting under serve/'s load, every run
+#             a row with its commands in many.md (many_adapters.sh, whose head lists the runs
+#             and their settings: MANY_RUNS picks some of them, to split the stage over calls)
 set -uo pipefail
 OUT=${RESULTS_DIR:-gpu_results}
 mkdir -p "$OUT"
@@ -123,7 +126,7 @@ if has attention; then
   echo "attention rc=$?" >> "$OUT/attention.log"
 fi
 
-if has profile || has decode32 || has timeline || has offprof || has offline || has startup || has firstuse || has serve || has steps || has tp; then
+if has profile || has decode32 || has timeline || has offprof || has offline || has startup || has firstuse || has serve || has steps || has tp || has many; then
   stamp setup
   # The offline runs repeat their prompts, so they turn the prefix cache off (it would
   # serve the repeats); benchmarks.serve gives every phase prompts of its own.
@@ -261,6 +264,12 @@ if has steps; then
     echo "steps rc=$?" >> "$OUT/steps_$mode.log"
   done
 fi
+if has many; then
+  stamp many
+  RESULTS_DIR="$OUT" MODEL=$MODEL bash benchmarks/many_adapters.sh > "$OUT/many.log" 2>&1
+  echo "many rc=$?" >> "$OUT/many.log"
+fi
+
 stamp done
 tail -n 4 "$OUT"/*.log
 grep -h "output_tok_per_s\|lora_over_base\|capture_s\|graph_replay\|engine_step" "$OUT"/*.json \

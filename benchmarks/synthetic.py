@@ -1,6 +1,6 @@
 """Model and adapter files made without a download: a Llama-3-8B-shaped model
 directory (config.json and a tokenizer; weights come from `--load-format
-dummy`) and random PEFT LoRA adapters over all seven projections of a
+dummy`) and random PEFT LoRA adapters over the projections (all seven, or some) of a
 Llama-style config."""
 
 from __future__ import annotations
@@ -69,12 +69,15 @@ def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
 
 
 def write_adapter(path: Path, config: dict, rank: int, seed: int, base_model: str,
-                  dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
-    """The files PEFT writes for a random LoRA over every projection of config's
-    layers, drawn on `device` and saved as `dtype`."""
+                  dtype: torch.dtype = torch.float32, device: str = "cpu",
+                  targets: tuple[str, ...] | None = None) -> None:
+    """The files PEFT writes for a random LoRA over the `targets` projections (all
+    seven by default) of config's layers, drawn on `device` and saved as `dtype`."""
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device).manual_seed(seed)
     shapes = projection_shapes(config)
+    if targets is not None:
+        shapes = {name: shape for name, shape in shapes.items() if name in targets}
     tensors = {}
     for layer in range(config["num_hidden_layers"]):
         for name, (k, n) in shapes.items():

@@ -1,7 +1,8 @@
 """The serving benchmark (`python -m benchmarks.serve`) against a tiny `loraserve
-serve` with two adapters: every request succeeds with exactly output-len tokens,
-the statistics are in order, and the adapters are drawn as the distribution says.
-No assertion on speed."""
+serve` with four adapters from `benchmarks.make_bench_setup` (registered through
+the --config file it writes) in two slots: every request succeeds with exactly
+output-len tokens, the statistics are in order, the adapters are drawn as the
+distribution says, and open-loop runs stop at their bound. No assertion on speed."""
 
 from __future__ import annotations
 
@@ -9,26 +10,52 @@ import json
 import math
 import random
 import shlex
+import statistics
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from serve_utils import ServerProcess
 
-from benchmarks.serve import cli, load, report
+from benchmarks import make_bench_setup, workload
+from benchmarks.serve import cli, report, server_metrics
 
 NUM_REQUESTS = 12
 INPUT_LEN = 16
 OUTPUT_LEN = 8
-ADAPTERS = ["sql", "poet"]
+MAX_LORAS = 2
+ADAPTERS = [f"lora{i}" for i in range(4)]
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir, llama_adapters):
+def bench_setup(llama_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_setup")
+    return make_bench_setup.main([
+        "--out", str(out), "--base-model", llama_dir, "--num-adapters", str(len(ADAPTERS)),
+        "--distinct", "2", "--rank", "8", "--target-modules", "attention",
+        "--dtype", "float32"])
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, bench_setup):
     with ServerProcess([
-        llama_dir, "--served-model-name", "base", "--enable-lora", "--max-loras", "2",
-        "--max-num-seqs", "16",
-        "--lora-modules", f"sql={llama_adapters['r8']}", f"poet={llama_adapters['r16_qv']}",
+        llama_dir, "--served-model-name", "base", "--enable-lora",
+        "--max-loras", str(MAX_LORAS), "--max-num-seqs", "16",
+        "--config", bench_setup["config"],
     ]) as srv:
         yield srv
+
+
+def check_adapters_per_step(server, figure, text: str) -> None:
+    """The server's distinct adapters per step over an all-adapter run: within
+    [1, --max-loras] where the server exports the histogram, else n/a."""
+    exported = server_metrics.histogram_totals(server.get("/metrics").text,
+                                               server_metrics.STEP_ADAPTERS)
+    if exported is None:
+        assert figure is None
+        assert "n/a" in text
+    else:
+        assert figure is not None and figure["steps"] >= OUTPUT_LEN
+        assert 1.0 <= figure["mean"] <= MAX_LORAS
 
 
 @pytest.mark.parametrize("rate_args", [["--request-rate", "inf"],
@@ -37,7 +64,8 @@ def server(llama_dir, llama_adapters):
 def test_serve_benchmark(server, tmp_path, rate_args):
     out = tmp_path / "serve.json"
     argv = [server.url, "--num-requests", str(NUM_REQUESTS), *rate_args,
-            "--num-adapters", "2", "--adapter-dist", "zipf", "--zipf-s", "1.1",
+            "--num-adapters", str(len(ADAPTERS)), "--adapter-pattern", "lora{}",
+            "--adapter-dist", "zipf", "--zipf-alpha", "1.1",
             "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
             "--request-timeout", "60", "--seed", "3", "--json", str(out)]
     cli.main(argv)
@@ -47,7 +75,11 @@ def test_serve_benchmark(server, tmp_path, rate_args):
     assert results["machine"]
     assert results["base_model"] == "base"
     assert results["adapters"] == ADAPTERS
+    weights = [1 / k ** 1.1 for k in range(1, len(ADAPTERS) + 1)]
+    assert list(results["adapter_probabilities"].values()) == pytest.approx(
+        [w / sum(weights) for w in weights])
     assert results["failures"] == 0, results["errors"]
+    assert results["not_sent"] == 0
     assert results["completed"] == NUM_REQUESTS
     assert results["output_tokens"] == NUM_REQUESTS * OUTPUT_LEN
     assert results["input_tokens"] == NUM_REQUESTS * INPUT_LEN
@@ -58,9 +90,14 @@ def test_serve_benchmark(server, tmp_path, rate_args):
     assert results["total_tok_per_s"] > results["output_tok_per_s"]
     for key in ["ttft", "tpot", "itl", "e2e"]:
         stats = results[key]
-        assert all(stats[s] is not None and stats[s] > 0 for s in ["mean_ms", "p50_ms", "p99_ms"])
-        assert stats["p50_ms"] <= stats["p99_ms"]
+        assert all(stats[s] is not None and stats[s] > 0
+                   for s in ["mean_ms", "p50_ms", "p99_ms", "max_ms"])
+        assert stats["p50_ms"] <= stats["p99_ms"] <= stats["max_ms"]
     assert results["ttft"]["p99_ms"] <= results["e2e"]["p99_ms"]
+    # The longest wait is the slowest request's TTFT.
+    assert results["ttft"]["max_ms"] == pytest.approx(
+        max(r["ttft_s"] for r in results["requests"]) * 1000)
+    check_adapters_per_step(server, results["adapters_per_step"], report.format_table(results))
 
     records = results["requests"]
     assert len(records) == NUM_REQUESTS
@@ -74,7 +111,7 @@ def test_serve_benchmark(server, tmp_path, rate_args):
     counts = {name: sum(r["model"] == name for r in records) for name in ADAPTERS}
     assert sum(counts.values()) == NUM_REQUESTS
     assert results["model_counts"] == {k: v for k, v in counts.items() if v}
-    expected = load.pick_models(NUM_REQUESTS, "base", ADAPTERS, "zipf", 1.1, 0.0,
+    expected = workload.pick_models(NUM_REQUESTS, "base", ADAPTERS, "zipf", 1.1, 0.0,
                                  random.Random("3-models"))
     assert [r["model"] for r in records] == expected
     # Send times follow the schedule: all at 0 for inf, 1/40 s apart for fixed.
@@ -96,45 +133,138 @@ def test_failures_are_counted_and_bounded(server, tmp_path):
     assert results["ttft"]["p50_ms"] is None
     with pytest.raises(SystemExit, match="nope"):
         cli.main([server.url, "--num-requests", "1", "--adapter-names", "nope"])
+    with pytest.raises(SystemExit, match="lora4"):
+        cli.main([server.url, "--num-requests", "1", "--num-adapters", "5",
+                  "--adapter-pattern", "lora{}"])
 
 
-def test_adapter_distribution():
-    """Many draws of the model picker match Zipf, uniform and the base fraction."""
+def test_open_loop_run_stops_at_max_outstanding(server):
+    """Arrivals far faster than the server: once two requests are outstanding the
+    run sends nothing more, finishes the two, and counts the rest as failed."""
+    argv = [server.url, "--num-requests", "8", "--request-rate", "1000",
+            "--max-outstanding", "2", "--input-len", "8", "--output-len", "8",
+            "--request-timeout", "60", "--seed", "1"]
+    offsets = workload.arrival_offsets(8, 1000.0, "poisson", random.Random("1-arrivals"))
+    assert offsets[2] < 0.05  # the third is due long before a request can finish
+    results = cli.main(argv)
+    sent = [r for r in results["requests"] if r["sent"]]
+    assert [r["index"] for r in sent] == [0, 1]
+    assert all(r["success"] for r in sent)
+    assert results["completed"] == 2
+    assert results["not_sent"] == 6 and results["failures"] == 6
+    assert all("--max-outstanding" in e for e in results["errors"])
+    # Closed loop (an infinite rate) sends everything whatever the bound.
+    results = cli.main([*argv[:4], "inf", *argv[5:]])
+    assert results["completed"] == 8 and results["failures"] == 0
+
+
+def chi_square(counts: list[int], probabilities: list[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probabilities, strict=True))
+
+
+# The chi-square distribution's 99.9% point at 9 degrees of freedom.
+CHI2_999_DF9 = 27.877
+
+
+def test_zipf_sampling_matches_its_distribution():
+    """20,000 seeded draws over 10 adapters at alpha 1: the counts pass a
+    chi-square test against p_k = (1/k) / H_10 (and fail one against uniform and
+    against alpha 2), and the most popular ranks come out in order."""
+    n, adapters = 20000, [f"a{k}" for k in range(10)]
+    harmonic = sum(1 / k for k in range(1, 11))
+    zipf = [1 / k / harmonic for k in range(1, 11)]
+    assert workload.adapter_weights(10, "zipf", 1.0) == pytest.approx(zipf)
+    picks = workload.pick_models(n, "base", adapters, "zipf", 1.0, 0.0, random.Random(7))
+    counts = [picks.count(a) for a in adapters]
+    assert sum(counts) == n
+    assert chi_square(counts, zipf) < CHI2_999_DF9
+    assert chi_square(counts, [0.1] * 10) > 100 * CHI2_999_DF9
+    assert chi_square(counts, workload.adapter_weights(10, "zipf", 2.0)) > 100 * CHI2_999_DF9
+    assert counts[:5] == sorted(counts[:5], reverse=True)
+    uniform = workload.pick_models(n, "base", adapters, "uniform", 1.0, 0.0, random.Random(7))
+    assert chi_square([uniform.count(a) for a in adapters], [0.1] * 10) < CHI2_999_DF9
+    # The same seed draws the same adapters.
+    assert workload.pick_models(50, "base", adapters, "zipf", 1.0, 0.0,
+                            random.Random(7)) == picks[:50]
+
+
+def test_base_fraction_and_no_adapters():
     n, adapters = 20000, ["a", "b", "c"]
-    zipf = [1 / k ** 1.1 for k in (1, 2, 3)]
-    for dist, weights, base_fraction in [("zipf", zipf, 0.0), ("uniform", [1, 1, 1], 0.25)]:
-        picks = load.pick_models(n, "base", adapters, dist, 1.1, base_fraction,
-                                  random.Random(0))
-        assert picks.count("base") / n == pytest.approx(base_fraction, abs=0.015)
-        for name, w in zip(adapters, weights, strict=True):
-            share = w / sum(weights) * (1 - base_fraction)
-            assert picks.count(name) / n == pytest.approx(share, abs=0.015)
-    assert load.pick_models(5, "base", [], "zipf", 1.1, 0.0, random.Random(0)) == ["base"] * 5
+    picks = workload.pick_models(n, "base", adapters, "uniform", 1.0, 0.25, random.Random(0))
+    assert picks.count("base") / n == pytest.approx(0.25, abs=0.015)
+    for name in adapters:
+        assert picks.count(name) / n == pytest.approx(0.25, abs=0.015)
+    assert workload.pick_models(5, "base", [], "zipf", 1.0, 0.0, random.Random(0)) == ["base"] * 5
 
 
-def test_arrivals_and_percentiles():
-    rng = random.Random(0)
-    poisson = load.arrival_offsets(4000, 20.0, "poisson", rng)
+def test_poisson_interarrivals():
+    """Exponential gaps of mean 1/rate (their spread equals their mean, which
+    fixed gaps lack), the first request at 0, and the same times for a seed."""
+    poisson = workload.arrival_offsets(4000, 20.0, "poisson", random.Random(0))
     gaps = [b - a for a, b in zip(poisson, poisson[1:], strict=False)]
-    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20, rel=0.05)
-    assert load.arrival_offsets(3, 4.0, "fixed", rng) == [0.0, 0.25, 0.5]
-    assert load.arrival_offsets(3, math.inf, "poisson", rng) == [0.0, 0.0, 0.0]
+    assert poisson[0] == 0.0 and all(g >= 0 for g in gaps)
+    assert statistics.mean(gaps) == pytest.approx(1 / 20, rel=0.05)
+    assert statistics.stdev(gaps) == pytest.approx(1 / 20, rel=0.07)
+    assert workload.arrival_offsets(4000, 20.0, "poisson", random.Random(0)) == poisson
+    assert workload.arrival_offsets(3, 4.0, "fixed", random.Random(0)) == [0.0, 0.25, 0.5]
+    assert workload.arrival_offsets(3, math.inf, "poisson", random.Random(0)) == [0.0, 0.0, 0.0]
+
+
+def test_percentiles_on_known_data():
     assert report.percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5
     assert report.percentile([1.0, 2.0], 99) == pytest.approx(1.99)
     assert report.percentile([], 50) is None
+    # 1..100 ms, shuffled: numpy's linear interpolation gives p50 50.5, p99 99.01.
+    values = [k / 1000 for k in range(1, 101)]
+    random.Random(0).shuffle(values)
+    stats = report.summarize(values)
+    assert stats == pytest.approx({"mean_ms": 50.5, "p50_ms": 50.5, "p99_ms": 99.01,
+                                   "max_ms": 100.0})
+    assert report.summarize([]) == {"mean_ms": None, "p50_ms": None, "p99_ms": None,
+                                    "max_ms": None}
+
+
+def test_adapters_per_step_from_two_scrapes():
+    """The mean over a run is the histogram's growth in sum over its growth in
+    count, summed over label sets; n/a without the histogram or without steps."""
+    registry = CollectorRegistry()
+    steps = Histogram(server_metrics.STEP_ADAPTERS, "Distinct adapters per step.",
+                      ["model_name"], registry=registry, buckets=[1, 2, 4, 8])
+    for value in (1, 2, 3):
+        steps.labels("base").observe(value)
+    text = generate_latest(registry).decode()
+    before = server_metrics.histogram_totals(text, server_metrics.STEP_ADAPTERS)
+    assert before == (6.0, 3.0)
+    steps.labels("base").observe(4)
+    steps.labels("other").observe(6)
+    after = server_metrics.histogram_totals(generate_latest(registry).decode(),
+                                            server_metrics.STEP_ADAPTERS)
+    assert server_metrics.mean_over_run(before, after) == {"steps": 2.0, "mean": 5.0}
+    assert server_metrics.mean_over_run(before, before) is None
+    assert server_metrics.mean_over_run(None, after) is None
+    vllm_only = text.replace("loraserve:", "vllm:")
+    assert server_metrics.histogram_totals(vllm_only, server_metrics.STEP_ADAPTERS) is None
 
 
 def test_phases_with_length_ranges_over_two_clients(server, tmp_path):
-    """Alternating base and LoRA phases over two client processes: each phase sends
-    every request to its kind of model, with lengths drawn in the ranges (the same
-    draws in every phase), and the summary ratios come from the phases' figures."""
-    out = tmp_path / "phases.json"
-    results = cli.main([server.url, "--num-requests", "8", "--phases", "base,lora,base,lora",
-                          "--num-clients", "2", "--max-concurrency", "4",
-                          "--input-len", "4:24", "--output-len", "2:9",
-                          "--request-timeout", "60", "--seed", "5", "--json", str(out)])
+    """A warm-up phase, then alternating base and LoRA phases over two client
+    processes: each phase sends every request to its kind of model, with lengths
+    drawn in the ranges (the same draws in every phase), the summary ratios come
+    from the medians of the timed phases' figures, and --results-md gets a row per
+    kind with the commands."""
+    out, rows = tmp_path / "phases.json", tmp_path / "results.md"
+    argv = [server.url, "--num-requests", "8", "--phases", "base,lora,base,lora",
+            "--warmup-phases", "lora", "--num-clients", "2", "--max-concurrency", "4",
+            "--input-len", "4:24", "--output-len", "2:9",
+            "--request-timeout", "60", "--seed", "5", "--json", str(out),
+            "--results-md", str(rows), "--label", "c4 two clients",
+            "--server-command", "loraserve serve tiny --max-loras 2", "--notes", "CPU"]
+    results = cli.main(argv)
     assert json.loads(out.read_text())["phases"] == results["phases"]
     assert results["failures"] == 0
+    [warmup] = results["warmup"]
+    assert warmup["phase"] == "lora" and warmup["completed"] == 8
     phases = results["phases"]
     assert [p["phase"] for p in phases] == ["base", "lora", "base", "lora"]
     lengths = None
@@ -153,4 +283,54 @@ def test_phases_with_length_ranges_over_two_clients(server, tmp_path):
     lora = sorted(p["output_tok_per_s"] for p in phases if p["phase"] == "lora")
     assert results["lora_over_base_output_tok_per_s"] == pytest.approx(
         (lora[0] + lora[1]) / (base[0] + base[1]))
-    assert "Served LoRA/base: " in report.format_table(results)
+    lora_ttft_p99 = [p["ttft"]["p99_ms"] for p in phases if p["phase"] == "lora"]
+    assert results["lora_ttft_p99_ms"] == pytest.approx(statistics.median(lora_ttft_p99))
+    lora_max = [p["ttft"]["max_ms"] for p in phases if p["phase"] == "lora"]
+    assert results["lora_ttft_max_ms"] == pytest.approx(statistics.median(lora_max))
+    table = report.format_table(results)
+    assert "Served LoRA/base: " in table and "(lora warm-up)" in table
+    for phase in phases:
+        if phase["phase"] == "lora":
+            check_adapters_per_step(server, phase["adapters_per_step"], table)
+
+    lines = rows.read_text().splitlines()
+    assert lines[:2] == report.RESULTS_HEADER
+    assert [line.split(" | ")[:2] for line in lines[2:]] == [["| c4 two clients", "base ×2"],
+                                                             ["| c4 two clients", "lora ×2"]]
+    lora_row = lines[3].split(" | ")
+    assert lora_row[2] == f"{results['lora_output_tok_per_s']:.1f}"
+    assert lora_row[3] == f"{results['lora_over_base_output_tok_per_s']:.3f}"
+    assert lora_row[6] == f"{results['lora_ttft_max_ms']:.2f}"
+    assert lora_row[7] == "0"  # failed
+    assert "server: `loraserve serve tiny --max-loras 2`" in lines[3]
+    # The command that measures it: without the flags that only say where figures go.
+    measured = argv[:argv.index("--json")]  # the reporting flags come last
+    assert f"client: `{shlex.join(['python', '-m', 'benchmarks.serve', *measured])}` |" in lines[3]
+    # A second run appends rows under the same header.
+    cli.main([*argv[:4], "lora", *argv[7:]])  # no warm-up, one LoRA phase
+    lines = rows.read_text().splitlines()
+    assert len(lines) == 5 and lines.count(report.RESULTS_HEADER[0]) == 1
+
+
+def test_poisson_phases_share_their_send_times(server):
+    """Open-loop Poisson phases: each phase's requests are due at the same seeded
+    times (exponential gaps), go to its kind of model, and all succeed."""
+    results = cli.main([server.url, "--num-requests", "10", "--request-rate", "100",
+                        "--phases", "base,lora", "--num-adapters", "4",
+                        "--adapter-dist", "zipf", "--input-len", "8", "--output-len", "4",
+                        "--request-timeout", "60", "--seed", "2"])
+    assert results["failures"] == 0
+    expected = workload.arrival_offsets(10, 100.0, "poisson", random.Random("2-arrivals"))
+    for phase in results["phases"]:
+        assert [r["scheduled_s"] for r in phase["requests"]] == pytest.approx(expected)
+        assert all(r["start_s"] >= r["scheduled_s"] - 1e-3 for r in phase["requests"])
+        models = {r["model"] for r in phase["requests"]}
+        assert models == {"base"} if phase["phase"] == "base" else models <= set(ADAPTERS)
+
+
+def test_row_command_leaves_out_reporting_flags():
+    command = ("python -m benchmarks.serve http://h:1 --json a.json --label 'c 64' "
+               "--results-md=r.md --notes 'start 9 s' --server-command 'loraserve serve m' "
+               "--num-requests 4 --adapter-pattern 'lora{}'")
+    assert report.measurement_command(command) == (
+        "python -m benchmarks.serve http://h:1 --num-requests 4 --adapter-pattern 'lora{}'")

@@ -1,13 +1,12 @@
-"""Load generation: when each request goes, to which model, with which prompt
-and lengths, and one streamed completion timed from send to [DONE]."""
+"""Load generation: one streamed completion timed from send to [DONE], and the
+requests of a run sent at their times (when each goes, to which model, with which
+prompt and lengths comes from benchmarks.workload)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import math
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -18,61 +17,6 @@ except ImportError:  # the GPU machine's image has the drop-in fork only
     import httpx2 as httpx
 
 
-def arrival_offsets(num: int, rate: float, arrival: str, rng: random.Random) -> list[float]:
-    """Send time of each request, in seconds from the start of the run.
-
-    An infinite rate sends everything at once. A Poisson process has exponential
-    gaps of mean 1/rate; a fixed one has gaps of exactly 1/rate. The first request
-    goes at 0 either way, so the run does not start with an idle gap.
-    """
-    if math.isinf(rate):
-        return [0.0] * num
-    offsets, now = [], 0.0
-    for i in range(num):
-        if i:
-            now += rng.expovariate(rate) if arrival == "poisson" else 1.0 / rate
-        offsets.append(now)
-    return offsets
-
-
-def adapter_weights(num: int, dist: str, zipf_s: float) -> list[float]:
-    """Probability of each adapter, by its rank in the list (the first is the most
-    popular under Zipf: p_k proportional to 1 / k**s)."""
-    if num == 0:
-        return []
-    raw = [1.0] * num if dist == "uniform" else [1.0 / (k ** zipf_s) for k in range(1, num + 1)]
-    total = sum(raw)
-    return [w / total for w in raw]
-
-
-def pick_models(num: int, base: str, adapters: list[str], dist: str, zipf_s: float,
-                base_fraction: float, rng: random.Random) -> list[str]:
-    """The model name of each request: the base with probability base_fraction
-    (always when there are no adapters), else an adapter drawn from the distribution."""
-    weights = adapter_weights(len(adapters), dist, zipf_s)
-    models = []
-    for _ in range(num):
-        if not adapters or rng.random() < base_fraction:
-            models.append(base)
-        else:
-            models.append(rng.choices(adapters, weights=weights)[0])
-    return models
-
-
-def random_prompts(num: int, input_len: int, vocab_size: int,
-                   rng: random.Random) -> list[list[int]]:
-    """Random token ids, away from the ends of the vocabulary where tokenizers
-    usually keep their special tokens (a tiny vocabulary keeps the whole range)."""
-    margin = min(100, vocab_size // 4)
-    low, high = margin, vocab_size - margin
-    return [[rng.randrange(low, high) for _ in range(input_len)] for _ in range(num)]
-
-
-def draw_lengths(num: int, bounds: tuple[int, int], rng: random.Random) -> list[int]:
-    low, high = bounds
-    return [rng.randint(low, high) for _ in range(num)]
-
-
 @dataclass
 class RequestRecord:
     index: int
@@ -81,6 +25,7 @@ class RequestRecord:
     max_tokens: int
     scheduled_s: float  # planned send time, from the start of the run
     start_s: float = 0.0  # actual send time, from the start of the run
+    sent: bool = False  # False: never sent (the run stopped at --max-outstanding)
     success: bool = False
     error: str | None = None
     output_tokens: int = 0
@@ -128,6 +73,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, headers: dict[s
     """
     start = time.perf_counter()
     record.start_s = start - run_start
+    record.sent = True
     last = None
     usage_tokens = None
     done = False
@@ -182,28 +128,48 @@ async def stream_completion(client: httpx.AsyncClient, url: str, headers: dict[s
 
 
 async def send_requests(args: argparse.Namespace, target: Target, records: list[RequestRecord],
-                        prompts: dict[int, list[int]], max_concurrency: int | None) -> None:
-    """Send `records` at their scheduled times, at most max_concurrency at once."""
+                        prompts: dict[int, list[int]], max_concurrency: int | None,
+                        max_outstanding: int | None = None) -> None:
+    """Send `records` at their scheduled times, at most max_concurrency at once.
+
+    A request is outstanding from its scheduled time (waiting for a concurrency
+    slot counts) to its end. Open-loop arrivals faster than the server serves
+    would pile up for ever: once max_outstanding are outstanding when the next
+    one is due, the run sends nothing more and marks the rest as not sent.
+    """
     # No connection cap: httpx's default pool of 100 would queue requests inside
     # the client, and that wait would be counted as server latency.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     # Each completion is bounded as a whole by --request-timeout in stream_completion.
     timeout = httpx.Timeout(max(args.request_timeout, 30.0))
+    outstanding = 0
+    stopped = False
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         run_start = time.perf_counter()
 
         async def one(record: RequestRecord) -> None:
+            nonlocal outstanding, stopped
             delay = run_start + record.scheduled_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            body = payload(record, prompts[record.index])
-            if semaphore is None:
-                await stream_completion(client, target.url, target.headers, body, record,
-                                        run_start, args.request_timeout)
+            if not stopped and max_outstanding is not None and outstanding >= max_outstanding:
+                stopped = True
+            if stopped:
+                record.error = (f"not sent: {max_outstanding} requests were outstanding "
+                                "(--max-outstanding)")
                 return
-            async with semaphore:
-                await stream_completion(client, target.url, target.headers, body, record,
-                                        run_start, args.request_timeout)
+            outstanding += 1
+            body = payload(record, prompts[record.index])
+            try:
+                if semaphore is None:
+                    await stream_completion(client, target.url, target.headers, body, record,
+                                            run_start, args.request_timeout)
+                    return
+                async with semaphore:
+                    await stream_completion(client, target.url, target.headers, body, record,
+                                            run_start, args.request_timeout)
+            finally:
+                outstanding -= 1
 
         await asyncio.gather(*(one(r) for r in records))

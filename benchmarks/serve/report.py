@@ -9,10 +9,12 @@ import platform
 import shlex
 import statistics
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from benchmarks.results import command_words
-from benchmarks.serve.load import RequestRecord, Target, adapter_weights
+from benchmarks.serve.load import RequestRecord, Target
+from benchmarks.workload import adapter_weights
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -27,12 +29,13 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarize(values: list[float]) -> dict[str, float | None]:
-    """Mean, p50 and p99 in milliseconds (None where there is nothing to measure)."""
+    """Mean, p50, p99 and max in milliseconds (None where there is nothing to measure)."""
     ms = [v * 1000.0 for v in values]
     return {
         "mean_ms": sum(ms) / len(ms) if ms else None,
         "p50_ms": percentile(ms, 50),
         "p99_ms": percentile(ms, 99),
+        "max_ms": max(ms) if ms else None,
     }
 
 
@@ -47,8 +50,15 @@ def machine() -> str:
     return f"CPU {platform.processor() or platform.machine()}"
 
 
+def _setting(value: Any) -> Any:
+    """A flag's value as JSON holds it (inf and paths as strings)."""
+    if isinstance(value, float) and math.isinf(value) or isinstance(value, Path):
+        return str(value)
+    return value
+
+
 def header(args: argparse.Namespace, target: Target) -> dict[str, Any]:
-    weights = adapter_weights(len(target.adapters), args.adapter_dist, args.zipf_s)
+    weights = adapter_weights(len(target.adapters), args.adapter_dist, args.zipf_alpha)
     return {
         "command": shlex.join(command_words()),
         "machine": machine(),
@@ -57,32 +67,44 @@ def header(args: argparse.Namespace, target: Target) -> dict[str, Any]:
         "adapters": target.adapters,
         "adapter_probabilities": dict(zip(target.adapters, weights, strict=True)),
         "vocab_size": target.vocab_size,
-        "settings": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
-                     for k, v in vars(args).items() if k not in ("api_key", "json")},
+        "settings": {k: _setting(v) for k, v in vars(args).items()
+                     if k not in ("api_key", "json")},
     }
 
 
+# The figures compared between kinds of phases: name, and how to read it from a run.
+PHASE_FIGURES = [
+    ("output_tok_per_s", lambda r: r["output_tok_per_s"]),
+    ("ttft_p50_ms", lambda r: r["ttft"]["p50_ms"]),
+    ("ttft_p99_ms", lambda r: r["ttft"]["p99_ms"]),
+    ("ttft_max_ms", lambda r: r["ttft"]["max_ms"]),
+    ("itl_p50_ms", lambda r: r["itl"]["p50_ms"]),
+    ("itl_p99_ms", lambda r: r["itl"]["p99_ms"]),
+    ("tpot_p50_ms", lambda r: r["tpot"]["p50_ms"]),
+    ("adapters_per_step", lambda r: (r["adapters_per_step"] or {}).get("mean")),
+]
+
+
 def compare_phases(phases: list[dict[str, Any]]) -> dict[str, Any]:
-    """LoRA against base over the phases: the ratio of the medians of each
-    kind's output throughput and ITL p99 (None without both kinds)."""
+    """LoRA against base over the phases: the median of each figure over each
+    kind's phases, and the ratio of the medians (None without both kinds)."""
     def median_of(kind: str, value) -> float | None:
         values = [value(p) for p in phases if p["phase"] == kind]
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
 
     out: dict[str, Any] = {}
-    for key, value in [("output_tok_per_s", lambda p: p["output_tok_per_s"]),
-                       ("itl_p99_ms", lambda p: p["itl"]["p99_ms"]),
-                       ("tpot_p50_ms", lambda p: p["tpot"]["p50_ms"]),
-                       ("ttft_p50_ms", lambda p: p["ttft"]["p50_ms"])]:
+    for key, value in PHASE_FIGURES:
         base, lora = median_of("base", value), median_of("lora", value)
         out[f"base_{key}"], out[f"lora_{key}"] = base, lora
         out[f"lora_over_base_{key}"] = lora / base if base and lora is not None else None
     return out
 
 
-def build_results(records: list[RequestRecord], duration: float, adapters: list[str],
-                  args: argparse.Namespace) -> dict[str, Any]:
+def build_results(records: list[RequestRecord], duration: float,
+                  adapters_per_step: dict[str, float] | None) -> dict[str, Any]:
+    """The figures of one run; adapters_per_step is the server's own count over
+    the run (server_metrics.mean_over_run), None where it has none."""
     ok = [r for r in records if r.success]
     output_tokens = sum(r.output_tokens for r in ok)
     input_tokens = sum(r.prompt_len for r in ok)
@@ -91,6 +113,7 @@ def build_results(records: list[RequestRecord], duration: float, adapters: list[
         "num_requests": len(records),
         "completed": len(ok),
         "failures": len(records) - len(ok),
+        "not_sent": sum(not r.sent for r in records),
         "errors": sorted({r.error for r in records if r.error})[:10],
         "output_len_mismatches": sum(r.output_tokens != r.max_tokens for r in ok),
         "input_tokens": input_tokens,
@@ -106,6 +129,7 @@ def build_results(records: list[RequestRecord], duration: float, adapters: list[
         "tpot": summarize([r.tpot_s for r in ok if r.tpot_s is not None]),
         "itl": summarize([gap for r in ok for gap in r.itl_s]),
         "e2e": summarize([r.e2e_s for r in ok]),
+        "adapters_per_step": adapters_per_step,
         "model_counts": dict(Counter(r.model for r in records)),
         "requests": [r.to_json() for r in records],
     }
@@ -113,6 +137,15 @@ def build_results(records: list[RequestRecord], duration: float, adapters: list[
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def adapters_per_step_text(figure: dict[str, float] | None) -> str:
+    """The server's mean distinct adapters per step, or n/a where it exports none."""
+    return "n/a" if figure is None else f"{figure['mean']:.2f} over {figure['steps']:.0f} steps"
 
 
 def format_table(results: dict[str, Any]) -> str:
@@ -124,6 +157,7 @@ def format_table(results: dict[str, Any]) -> str:
         ("Adapters", f"{len(results['adapters'])}"),
         ("Successful requests", f"{results['completed']}"),
         ("Failed requests", f"{results['failures']}"),
+        ("Not sent (--max-outstanding)", f"{results['not_sent']}"),
         ("Duration (s)", f"{results['duration_s']:.2f}"),
         ("Input tokens", f"{results['input_tokens']}"),
         ("Output tokens", f"{results['output_tokens']}"),
@@ -137,6 +171,9 @@ def format_table(results: dict[str, Any]) -> str:
         rows += [(f"{label} mean (ms)", _ms(stats["mean_ms"])),
                  (f"{label} p50 (ms)", _ms(stats["p50_ms"])),
                  (f"{label} p99 (ms)", _ms(stats["p99_ms"]))]
+    rows += [("Longest wait, max TTFT (ms)", _ms(results["ttft"]["max_ms"])),
+             ("Distinct adapters per step", adapters_per_step_text(
+                 results["adapters_per_step"]))]
     width = max(len(name) for name, _ in rows) + 2
     lines = ["=" * (width + 24), *(f"{name:<{width}}{value}" for name, value in rows),
              "=" * (width + 24)]
@@ -145,22 +182,100 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def format_phases(results: dict[str, Any]) -> str:
-    """A markdown table, one row a phase, and the LoRA/base summary lines."""
-    lines = [f"Machine: {results['machine']}", f"Command: {results['command']}", "",
-             "| phase | ok | output tok/s | TTFT p50 / p99 | TPOT p50 / p99 | ITL p50 / p99 |",
-             "|---|---|---|---|---|---|"]
-    for p in results["phases"]:
-        lines.append(
-            f"| {p['phase']} | {p['completed']}/{p['num_requests']} | "
-            f"{p['output_tok_per_s']:.1f} | "
+def _phase_row(name: str, p: dict[str, Any]) -> str:
+    return (f"| {name} | {p['completed']}/{p['num_requests']} | {p['output_tok_per_s']:.1f} | "
             + " | ".join(f"{_ms(p[k]['p50_ms'])} / {_ms(p[k]['p99_ms'])}"
-                         for k in ("ttft", "tpot", "itl")) + " |")
-    ratio = results["lora_over_base_output_tok_per_s"]
-    itl = results["lora_over_base_itl_p99_ms"]
-    lines += ["", f"Served LoRA/base: {'-' if ratio is None else f'{ratio:.3f}'}",
-              f"ITL p99 LoRA/base: {'-' if itl is None else f'{itl:.3f}'}"]
+                         for k in ("ttft", "tpot", "itl"))
+            + f" | {_ms(p['ttft']['max_ms'])} | {adapters_per_step_text(p['adapters_per_step'])} |")
+
+
+def format_phases(results: dict[str, Any]) -> str:
+    """A markdown table, one row a phase (warm-up phases first, in parentheses),
+    and the LoRA/base summary lines of the medians."""
+    lines = [f"Machine: {results['machine']}", f"Command: {results['command']}", "",
+             "| phase | ok | output tok/s | TTFT p50 / p99 | TPOT p50 / p99 | ITL p50 / p99 "
+             "| max TTFT | adapters per step |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [_phase_row(f"({p['phase']} warm-up)", p) for p in results.get("warmup", [])]
+    lines += [_phase_row(p["phase"], p) for p in results["phases"]]
+    lines += ["", f"Served LoRA/base: {_ratio(results['lora_over_base_output_tok_per_s'])}",
+              f"TTFT p99 LoRA/base: {_ratio(results['lora_over_base_ttft_p99_ms'])}",
+              f"ITL p99 LoRA/base: {_ratio(results['lora_over_base_itl_p99_ms'])}",
+              f"Failed requests: {results['failures']}"]
     errors = sorted({e for p in results["phases"] for e in p["errors"]})
     if errors:
         lines += ["Errors:", *(f"  {e}" for e in errors[:10])]
     return "\n".join(lines)
+
+
+RESULTS_HEADER = [
+    "| run | model | output tok/s | LoRA/base | TTFT p50 / p99 ms | ITL p50 / p99 ms "
+    "| longest wait ms | failed | adapters per step | notes | command |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
+]
+
+
+# Flags that only say where the figures go: left out of the command a row shows.
+REPORTING_FLAGS = ("--json", "--results-md", "--label", "--notes", "--server-command")
+
+
+def measurement_command(command: str) -> str:
+    """The command without its reporting flags (and their values): what to run
+    again to measure the same."""
+    words, kept = shlex.split(command), []
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in REPORTING_FLAGS:
+            skip = True
+        elif not word.startswith(tuple(f"{flag}=" for flag in REPORTING_FLAGS)):
+            kept.append(word)
+    return shlex.join(kept)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def results_rows(results: dict[str, Any], label: str, notes: str = "",
+                 server_command: str = "") -> list[str]:
+    """Markdown rows of one invocation for a results file: one per kind of phase
+    (the medians over that kind's phases), or one for a run without phases; each
+    with the command that measures it (the JSON keeps the whole command line)."""
+    command = f"`{measurement_command(results['command'])}`"
+    if server_command:
+        command = f"server: `{server_command}`; client: {command}"
+    tail = f" {_cell(notes)} | {_cell(command)} |"
+    if "phases" not in results:
+        figure = results["adapters_per_step"]
+        return [f"| {_cell(label)} | mixed | {results['output_tok_per_s']:.1f} | - | "
+                f"{_ms(results['ttft']['p50_ms'])} / {_ms(results['ttft']['p99_ms'])} | "
+                f"{_ms(results['itl']['p50_ms'])} / {_ms(results['itl']['p99_ms'])} | "
+                f"{_ms(results['ttft']['max_ms'])} | {results['failures']} | "
+                f"{'n/a' if figure is None else format(figure['mean'], '.2f')} |" + tail]
+    rows = []
+    for kind in ("base", "lora"):
+        phases = [p for p in results["phases"] if p["phase"] == kind]
+        if not phases:
+            continue
+        tok = results[f"{kind}_output_tok_per_s"]
+        per_step = results[f"{kind}_adapters_per_step"]
+        ratio = _ratio(results["lora_over_base_output_tok_per_s"]) if kind == "lora" else "-"
+        rows.append(
+            f"| {_cell(label)} | {kind} ×{len(phases)} | "
+            f"{'-' if tok is None else f'{tok:.1f}'} | {ratio} | "
+            f"{_ms(results[f'{kind}_ttft_p50_ms'])} / {_ms(results[f'{kind}_ttft_p99_ms'])} | "
+            f"{_ms(results[f'{kind}_itl_p50_ms'])} / {_ms(results[f'{kind}_itl_p99_ms'])} | "
+            f"{_ms(results[f'{kind}_ttft_max_ms'])} | "
+            f"{sum(p['failures'] for p in phases)} | "
+            f"{'n/a' if per_step is None else f'{per_step:.2f}'} |" + tail)
+    return rows
+
+
+def append_results(path: Path, rows: list[str]) -> None:
+    """Append rows to a markdown results file, with the table's header first when
+    the file is new or empty."""
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a") as f:
+        f.write("\n".join([*(RESULTS_HEADER if new else []), *rows]) + "\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import multiprocessing
 import random
 import time
@@ -14,16 +15,14 @@ from typing import Any
 from benchmarks.serve.load import (
     RequestRecord,
     Target,
-    arrival_offsets,
-    draw_lengths,
     httpx,
     payload,
-    pick_models,
-    random_prompts,
     send_requests,
     stream_completion,
 )
 from benchmarks.serve.report import build_results, compare_phases, header
+from benchmarks.serve.server_metrics import mean_over_run, scrape_step_adapters
+from benchmarks.workload import arrival_offsets, draw_lengths, pick_models, random_prompts
 
 
 async def discover_models(client: httpx.AsyncClient, base_url: str,
@@ -66,6 +65,30 @@ async def probe_vocab_size(client: httpx.AsyncClient, base_url: str) -> int:
     return lo + 1
 
 
+def chosen_adapters(args: argparse.Namespace, base_url: str,
+                    server_adapters: list[str]) -> list[str]:
+    """The adapters of the run, most popular first: --adapter-names, or the names
+    --adapter-pattern makes for 0..N-1, or the server's first N; each one served."""
+    if args.adapter_pattern:
+        adapters = [args.adapter_pattern.format(i, i=i) for i in range(args.num_adapters)]
+    elif args.adapter_names:
+        adapters = list(args.adapter_names)
+    else:
+        adapters = list(server_adapters)
+    served = set(server_adapters)
+    missing = [n for n in adapters if n not in served]
+    if missing:
+        shown = server_adapters if len(server_adapters) <= 20 else [*server_adapters[:20], "..."]
+        raise SystemExit(f"adapters not served by {base_url}: {missing[:20]}"
+                         f"{' ...' if len(missing) > 20 else ''}; it serves {shown}")
+    if args.num_adapters is not None:
+        if args.num_adapters > len(adapters):
+            raise SystemExit(f"--num-adapters {args.num_adapters} but only "
+                             f"{len(adapters)} adapters: {adapters}")
+        adapters = adapters[:args.num_adapters]
+    return adapters
+
+
 async def discover(args: argparse.Namespace) -> Target:
     base_url = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -75,19 +98,7 @@ async def discover(args: argparse.Namespace) -> Target:
                                                                          headers)
         except httpx.HTTPError as exc:
             raise SystemExit(f"cannot list the models of {base_url}: {exc}") from exc
-        if args.adapter_names:
-            missing = [n for n in args.adapter_names if n not in server_adapters]
-            if missing:
-                raise SystemExit(f"adapters not served by {base_url}: {missing}; "
-                                 f"it serves {server_adapters}")
-            adapters = list(args.adapter_names)
-        else:
-            adapters = list(server_adapters)
-        if args.num_adapters is not None:
-            if args.num_adapters > len(adapters):
-                raise SystemExit(f"--num-adapters {args.num_adapters} but only "
-                                 f"{len(adapters)} adapters: {adapters}")
-            adapters = adapters[:args.num_adapters]
+        adapters = chosen_adapters(args, base_url, server_adapters)
         if args.phases and "lora" in args.phases and not adapters:
             raise SystemExit("--phases has a lora phase but the run has no adapters")
         longest = args.input_len[1] + args.output_len[1]
@@ -99,18 +110,19 @@ async def discover(args: argparse.Namespace) -> Target:
 
 
 def plan_run(args: argparse.Namespace, target: Target, phase: str | None,
-             phase_index: int) -> tuple[list[RequestRecord], dict[int, list[int]]]:
+             phase_tag: str) -> tuple[list[RequestRecord], dict[int, list[int]]]:
     """The requests of one run and their prompts. Separate random streams per
     purpose, so that changing one knob (say the rate) leaves the prompts and the
     model choices of a seed as they were. Every phase gets the same lengths and
-    send times but prompts of its own (a prefix cache would serve repeats)."""
+    send times but prompts of its own (a prefix cache would serve repeats): its
+    phase_tag (its place, or a warm-up's) seeds them."""
     seed, num = args.seed, args.num_requests
     base_fraction = {None: args.base_fraction, "base": 1.0, "lora": 0.0}[phase]
-    models = pick_models(num, target.base, target.adapters, args.adapter_dist, args.zipf_s,
+    models = pick_models(num, target.base, target.adapters, args.adapter_dist, args.zipf_alpha,
                          base_fraction, random.Random(f"{seed}-models"))
     input_lens = draw_lengths(num, args.input_len, random.Random(f"{seed}-input-lens"))
     output_lens = draw_lengths(num, args.output_len, random.Random(f"{seed}-output-lens"))
-    prompt_rng = random.Random(f"{seed}-prompts" + (f"-{phase_index}" if phase else ""))
+    prompt_rng = random.Random(f"{seed}-prompts" + (f"-{phase_tag}" if phase else ""))
     prompts = {i: random_prompts(1, n, target.vocab_size, prompt_rng)[0]
                for i, n in enumerate(input_lens)}
     offsets = arrival_offsets(num, args.request_rate, args.arrival,
@@ -122,31 +134,51 @@ def plan_run(args: argparse.Namespace, target: Target, phase: str | None,
 
 def _send_share(job: tuple) -> list[RequestRecord]:
     """One client process's share of a run (multiprocessing's entry point)."""
-    args, target, records, prompts, max_concurrency = job
-    asyncio.run(send_requests(args, target, records, prompts, max_concurrency))
+    args, target, records, prompts, max_concurrency, max_outstanding = job
+    asyncio.run(send_requests(args, target, records, prompts, max_concurrency,
+                              max_outstanding))
     return records
+
+
+def _share_of(total: int | None, clients: int, k: int) -> int | None:
+    return None if total is None else total // clients + (k < total % clients)
 
 
 def run_requests(args: argparse.Namespace, target: Target, records: list[RequestRecord],
                  prompts: dict[int, list[int]]) -> tuple[list[RequestRecord], float]:
     """Run one planned run; (the records, filled in, and the run's wall time)."""
     clients = args.num_clients
+    # Closed loop (infinite rate), every request is due at once: the bound is for
+    # open-loop arrivals outrunning the server.
+    bound = None if math.isinf(args.request_rate) else args.max_outstanding
     start = time.perf_counter()
     if clients == 1:
-        asyncio.run(send_requests(args, target, records, prompts, args.max_concurrency))
+        asyncio.run(send_requests(args, target, records, prompts, args.max_concurrency,
+                                  bound))
         return records, time.perf_counter() - start
-    cap = args.max_concurrency
     jobs = []
     for k in range(clients):
         share = records[k::clients]
-        limit = None if cap is None else cap // clients + (k < cap % clients)
-        jobs.append((args, target, share, {r.index: prompts[r.index] for r in share}, limit))
+        jobs.append((args, target, share, {r.index: prompts[r.index] for r in share},
+                     _share_of(args.max_concurrency, clients, k),
+                     _share_of(bound, clients, k)))
     # fork: the module may have been loaded from a path (tests), which spawn
     # could not import again; no client exists yet to be copied.
     with multiprocessing.get_context("fork").Pool(clients) as pool:
         shares = pool.map(_send_share, jobs)
     duration = time.perf_counter() - start
     return sorted((r for share in shares for r in share), key=lambda r: r.index), duration
+
+
+def measured_run(args: argparse.Namespace, target: Target, phase: str | None,
+                 phase_tag: str) -> dict[str, Any]:
+    """One run's results, with the server's distinct adapters per step over it
+    (its /metrics scraped before and after)."""
+    planned = plan_run(args, target, phase, phase_tag)
+    before = scrape_step_adapters(args.base_url, target.headers)
+    records, duration = run_requests(args, target, *planned)
+    per_step = mean_over_run(before, scrape_step_adapters(args.base_url, target.headers))
+    return build_results(records, duration, per_step)
 
 
 def warm_up(args: argparse.Namespace, target: Target) -> None:
@@ -172,18 +204,17 @@ def warm_up(args: argparse.Namespace, target: Target) -> None:
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the whole benchmark; returns the results that --json writes."""
+    """Run the whole benchmark; returns the results that --json writes. Warm-up
+    phases run first and stay out of the figures and the failure count."""
     target = asyncio.run(discover(args))
     warm_up(args, target)
+    warmup = [{"phase": phase, **measured_run(args, target, phase, f"warmup-{i}")}
+              for i, phase in enumerate(args.warmup_phases or [])]
     if not args.phases:
-        records, duration = run_requests(args, target, *plan_run(args, target, None, 0))
-        results = build_results(records, duration, target.adapters, args)
-        return {**header(args, target), **results}
-    phases = []
-    for i, phase in enumerate(args.phases):
-        records, duration = run_requests(args, target, *plan_run(args, target, phase, i))
-        phase_adapters = target.adapters if phase == "lora" else []
-        phases.append({"phase": phase, **build_results(records, duration, phase_adapters,
-                                                         args)})
+        return {**header(args, target), **measured_run(args, target, None, "0"),
+                **({"warmup": warmup} if warmup else {})}
+    phases = [{"phase": phase, **measured_run(args, target, phase, str(i))}
+              for i, phase in enumerate(args.phases)]
     return {**header(args, target), **compare_phases(phases),
-            "failures": sum(p["failures"] for p in phases), "phases": phases}
+            "failures": sum(p["failures"] for p in phases), "phases": phases,
+            "warmup": warmup}
