@@ -37,6 +37,7 @@ from loraserve.engine.protocol import (
 )
 from loraserve.engine.request import Request, RequestStatus
 from loraserve.engine.scheduler import Scheduler
+from loraserve.engine.step_stats import StepLoRACounter
 from loraserve.lora.manager import LoRAManager
 from loraserve.lora.peft_adapter import LoRAModel
 from loraserve.lora.request import LoRARequest
@@ -67,6 +68,7 @@ class EngineCore:
                                  config.cache_config.enable_prefix_caching)
         max_loras = config.lora_config.max_loras if config.lora_config else None
         self.scheduler = Scheduler(config.scheduler_config, self.kv, max_loras)
+        self.step_loras = StepLoRACounter()
         self.requests: dict[str, Request] = {}
         # Outputs produced outside a model step (failed adapter loads, aborts).
         self._pending: list[EngineCoreOutput] = []
@@ -332,6 +334,7 @@ class EngineCore:
             if self.loras else {}
         )
         batch, prompt_batch = self.runner.launch(step, slots)
+        self.step_loras.record(step.lora_names())
         for req, n in scheduled:
             req.num_computed_tokens += n
             self.kv.cache_computed_blocks(req)
@@ -379,6 +382,7 @@ class EngineCore:
                     stop_reason=stop_reason,
                     num_prompt_tokens=len(req.prompt_token_ids),
                     prompt_logprobs=pending.pop(req, None),
+                    times=req.first_token_times(),
                 ))
                 if finish is not None:
                     self.scheduler.finish(req)
@@ -454,6 +458,7 @@ class EngineCore:
             prefix_cache_tokens=(self.kv.prefix_cache_stats.queries,
                                  self.kv.prefix_cache_stats.hits),
         )
+        stats.step_lora_adapter_counts, stats.step_lora_adapters_sum = self.step_loras.totals()
         manager = self.loras
         if manager is not None:
             stats.gpu_lora_adapters = manager.slot_names()
