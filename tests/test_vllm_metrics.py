@@ -68,7 +68,8 @@ DASHBOARD_SAMPLES = [
     "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
 ]
-MAX_TOKENS = 120
+# Long enough for the test to see two requests run while a third waits.
+MAX_TOKENS = 400
 
 
 @pytest.fixture(scope="module")
