@@ -3,6 +3,9 @@
 Every variable has a default and says what it is for, and is read through a
 function at the moment it matters, never at import: a test changes one with
 ``monkeypatch.setenv`` and the next read sees it.
+
+Where vLLM has a variable for the same setting, its name is an alias: a vLLM
+manifest works unchanged, and ours wins when both are set.
 """
 
 from __future__ import annotations
@@ -17,14 +20,34 @@ class EnvVar:
     name: str
     default: str
     doc: str
+    # vLLM's names for the same setting, read when ours is unset.
+    aliases: tuple[str, ...] = ()
+
+    def _lookup(self, allow_empty: bool) -> tuple[str, str] | None:
+        """(name, value) of the first of our name and the aliases that is set."""
+        for name in (self.name, *self.aliases):
+            value = os.environ.get(name)
+            if value is not None and (value or allow_empty):
+                return name, value
+        return None
 
     def get(self) -> str:
-        """The value now: the environment's if it is set and not empty, else the default."""
-        return os.environ.get(self.name) or self.default
+        """The value now: the environment's if it is set and not empty (ours, else an
+        alias), else the default."""
+        found = self._lookup(allow_empty=False)
+        return found[1] if found is not None else self.default
 
     def raw(self) -> str | None:
-        """The environment's value as it is (even empty); None when it is unset."""
-        return os.environ.get(self.name)
+        """The environment's value as it is (even empty; ours, else an alias); None
+        when none of the names is set."""
+        found = self._lookup(allow_empty=True)
+        return found[1] if found is not None else None
+
+    def source(self) -> str:
+        """The name the value comes from, for messages: the variable that raw() reads,
+        or ours when none is set."""
+        found = self._lookup(allow_empty=True)
+        return found[0] if found is not None else self.name
 
     def flag(self) -> bool:
         """The value read as a switch: 1, true, yes or on (any case) turn it on."""
@@ -55,24 +78,28 @@ API_KEY = EnvVar(
     "",
     "The API key clients must send as `Authorization: Bearer <key>`, when --api-key is "
     "not given.",
+    aliases=("VLLM_API_KEY",),
 )
 ALLOW_RUNTIME_LORA_UPDATING = EnvVar(
     "LORASERVE_ALLOW_RUNTIME_LORA_UPDATING",
     "0",
     "1: serve /v1/load_lora_adapter and /v1/unload_lora_adapter and ask the LoRA "
-    "resolvers for unknown model names (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).",
+    "resolvers for unknown model names.",
+    aliases=("VLLM_ALLOW_RUNTIME_LORA_UPDATING",),
 )
 KEEP_ALIVE_ON_ENGINE_DEATH = EnvVar(
     "LORASERVE_KEEP_ALIVE_ON_ENGINE_DEATH",
     "0",
     "1: when the engine process dies, the API server stays up and answers 503 instead "
     "of exiting (for a supervisor that restarts on /health).",
+    aliases=("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH",),
 )
 ENGINE_READY_TIMEOUT_S = EnvVar(
     "LORASERVE_ENGINE_READY_TIMEOUT_S",
     "1800",
     "Seconds the API server waits for the engine process to load the model and report "
     "ready before giving up.",
+    aliases=("VLLM_ENGINE_READY_TIMEOUT_S",),
 )
 CHAT_TEMPLATE_TIMEOUT_S = EnvVar(
     "LORASERVE_CHAT_TEMPLATE_TIMEOUT_S",
@@ -85,18 +112,22 @@ PLUGINS = EnvVar(
     "",
     "Comma-separated LoRA resolver plugins to run (entry points of "
     "loraserve.lora_resolvers), in the order they are asked; unset: all installed; "
-    "empty: none. --lora-resolvers overrides it.",
+    "empty: none. --lora-resolvers overrides it. Read from VLLM_PLUGINS, names that are no "
+    "resolver plugin of loraserve's are skipped (vLLM plugins of other kinds).",
+    aliases=("VLLM_PLUGINS",),
 )
 LORA_RESOLVER_CACHE_DIR = EnvVar(
     "LORASERVE_LORA_RESOLVER_CACHE_DIR",
     "",
     "Folder the filesystem resolver looks in: model name `a` or `org/a` resolves to the "
     "PEFT adapter in <folder>/a or <folder>/org/a.",
+    aliases=("VLLM_LORA_RESOLVER_CACHE_DIR",),
 )
 LORA_RESOLVER_HF_REPO_LIST = EnvVar(
     "LORASERVE_LORA_RESOLVER_HF_REPO_LIST",
     "",
     "Comma-separated Hugging Face Hub repos the hub resolver downloads adapters from.",
+    aliases=("VLLM_LORA_RESOLVER_HF_REPO_LIST",),
 )
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET",

@@ -26,13 +26,15 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 CLIENTS = ("openai_chat_completion.py", "openai_completion.py", "curl_examples.sh",
            "load_unload_adapters.sh")
 # What differs from run to run, whatever the model says: ids, clocks, the engine's
-# pid, load timings, and the value (an update time) of a metric sample.
+# pid, load timings, step counts, and the value (an update time) of a metric sample.
 _VARYING = [
     (re.compile(r"\b(chatcmpl|cmpl)-[0-9a-f]{32}\b"), r"\1-ID"),
     (re.compile(r'("created": ?)\d+'), r"\1T"),
     (re.compile(r'("engine_pid": ?)\d+'), r"\1PID"),
     (re.compile(r'("lora_load_time_(?:counts|sum_s)": ?)(\[[\d, ]*\]|[\d.e+-]+)'), r"\1X"),
     (re.compile(r'("prefix_cache_tokens": ?)\[[\d, ]*\]'), r"\1X"),
+    (re.compile(r'("step_lora_adapter_counts": ?)\[[\d, ]*\]'), r"\1X"),
+    (re.compile(r'("step_lora_adapters_sum": ?)\d+'), r"\1X"),
     (re.compile(r"^(loraserve:\w+\{.*\}) \S+$", re.M), r"\1 V"),
 ]
 

@@ -266,9 +266,6 @@ class AsyncEngineClient:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
-        start = time.monotonic()
-        last = start
-        first = True
         try:
             engine_requests = self._processor.add_request(
                 request_id,
@@ -280,22 +277,11 @@ class AsyncEngineClient:
             )
             for engine_request in engine_requests:
                 self._send(InputKind.ADD, engine_request)
-            if self.metrics is not None:
-                self.metrics.record_prompt_tokens(len(prompt_token_ids))
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
-                now = time.monotonic()
-                new_tokens = sum(len(o.delta_token_ids) for o in item.outputs)
-                if self.metrics is not None and new_tokens:
-                    self.metrics.record_tokens(new_tokens, now - start if first else None,
-                                               None if first else now - last)
-                    first, last = False, now
                 finished = item.finished
-                if finished and self.metrics is not None:
-                    reasons = [o.finish_reason or "abort" for o in item.outputs]
-                    self.metrics.record_finished(reasons, now - start)
                 yield item
                 if finished:
                     return
@@ -358,7 +344,9 @@ class AsyncEngineClient:
 
     def _handle_outputs(self, outputs: EngineCoreOutputs) -> None:
         if outputs.outputs:
-            processed = self._processor.process_outputs(outputs.outputs)
+            processed = self._processor.process_outputs(outputs.outputs, outputs.timestamp)
+            if self.metrics is not None:
+                self.metrics.record_iteration(processed.stats)
             for request_output in processed.request_outputs:
                 queue = self._queues.get(request_output.request_id)
                 if queue is not None:

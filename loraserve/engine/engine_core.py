@@ -43,6 +43,7 @@ from loraserve.engine.protocol import (
 )
 from loraserve.engine.request import Request, RequestStatus
 from loraserve.engine.scheduler import Scheduler
+from loraserve.engine.step_stats import StepLoRACounter
 from loraserve.executor import make_executor
 from loraserve.lora.errors import LoRAError
 from loraserve.lora.request import LoRARequest
@@ -66,6 +67,7 @@ class EngineCore:
                                  config.cache_config.enable_prefix_caching)
         max_loras = config.lora_config.max_loras if config.lora_config else None
         self.scheduler = Scheduler(config.scheduler_config, self.kv, max_loras)
+        self.step_loras = StepLoRACounter()
         self.requests: dict[str, Request] = {}
         # Outputs produced outside a model step (failed adapter loads, aborts).
         self._pending: list[EngineCoreOutput] = []
@@ -341,6 +343,7 @@ class EngineCore:
         if self.adapters is not None:
             self.adapters.update(out.lora)
         batch, prompt_batch = out.sampled, out.prompt_logprobs
+        self.step_loras.record(step.lora_names())
         for req, n in scheduled:
             req.num_computed_tokens += n
             self.kv.cache_computed_blocks(req)
@@ -388,6 +391,7 @@ class EngineCore:
                     stop_reason=stop_reason,
                     num_prompt_tokens=len(req.prompt_token_ids),
                     prompt_logprobs=pending.pop(req, None),
+                    times=req.first_token_times(),
                 ))
                 if finish is not None:
                     self.scheduler.finish(req)
@@ -463,6 +467,7 @@ class EngineCore:
             prefix_cache_tokens=(self.kv.prefix_cache_stats.queries,
                                  self.kv.prefix_cache_stats.hits),
         )
+        stats.step_lora_adapter_counts, stats.step_lora_adapters_sum = self.step_loras.totals()
         if self.adapters is not None:
             resident = self.adapters.residency
             stats.gpu_lora_adapters = sorted(resident.slots)

@@ -79,7 +79,7 @@ class LLM:
         bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)
         while processor.has_unfinished():
             step = self.engine.step()
-            processed = processor.process_outputs(step.outputs)
+            processed = processor.process_outputs(step.outputs, step.timestamp)
             if processed.reqs_to_abort:
                 self.engine.abort_requests(processed.reqs_to_abort)
             for out in processed.request_outputs:

@@ -1,18 +1,21 @@
 """Front-end side of the engine: fans a request with n > 1 out into child
 requests, turns per-step token outputs into text (incremental detokenization),
-finds stop strings, and gathers children back into one RequestOutput.
+finds stop strings, gathers children back into one RequestOutput, and counts what
+each step's outputs add to the metrics (request_stats.IterationStats).
 
 The API server and the offline LLM both use it, so both behave the same.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import msgspec
 
 from loraserve.engine.detokenizer import IncrementalDetokenizer
 from loraserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from loraserve.engine.request_stats import IterationStats, RequestTimeline
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams
 
@@ -64,13 +67,16 @@ class RequestOutput:
 class ProcessedOutputs:
     request_outputs: list[RequestOutput] = field(default_factory=list)
     reqs_to_abort: list[str] = field(default_factory=list)
+    stats: IterationStats = field(default_factory=IterationStats)
 
 
 class _ChildState:
     """Detokenization state of one sequence."""
 
-    def __init__(self, parent: _ParentState, index: int, params: SamplingParams) -> None:
+    def __init__(self, parent: _ParentState, index: int, params: SamplingParams,
+                 timeline: RequestTimeline) -> None:
         self.parent = parent
+        self.timeline = timeline
         self.out = CompletionOutput(index=index)
         if params.logprobs is not None:
             self.out.logprobs = []
@@ -121,7 +127,9 @@ class OutputProcessor:
                 child_params = msgspec.structs.replace(
                     params, n=1, seed=seed,
                     prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            child = _ChildState(parent, i, child_params)
+            timeline = RequestTimeline(time.monotonic(), len(prompt_token_ids),
+                                       child_params.max_tokens)
+            child = _ChildState(parent, i, child_params, timeline)
             child.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, child_params.skip_special_tokens
             )
@@ -157,8 +165,12 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self._parents)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+    def process_outputs(self, outputs: list[EngineCoreOutput],
+                        engine_timestamp: float | None = None) -> ProcessedOutputs:
+        """One engine message's outputs; engine_timestamp is when the engine made them
+        (EngineCoreOutputs.timestamp), without which the engine phases go untimed."""
         result = ProcessedOutputs()
+        now = time.monotonic()
         touched: dict[str, _ParentState] = {}
         for eco in outputs:
             child = self._children.get(eco.request_id)
@@ -180,12 +192,19 @@ class OutputProcessor:
                     c.out.delta_text = ""
                     c.out.delta_token_ids = []
                     c.out.delta_logprobs = None
+            child.timeline.add_tokens(len(eco.new_token_ids), eco.times, engine_timestamp,
+                                      now, result.stats)
             if self._update_child(child, eco):
                 result.reqs_to_abort.append(eco.request_id)
+            if child.out.finished:
+                result.stats.finished_requests.append(
+                    child.timeline.finish(child.out.finish_reason, now))
         for rid, parent in touched.items():
             parent.output.finished = all(c.out.finished for c in parent.children)
             result.request_outputs.append(parent.output)
             if parent.output.finished:
+                result.stats.finished_parents.append(
+                    (len(parent.children), max(len(c.out.token_ids) for c in parent.children)))
                 self._forget(rid)
         return result
 

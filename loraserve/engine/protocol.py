@@ -30,6 +30,15 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     arrival_time: float = msgspec.field(default_factory=time.time)
 
 
+class RequestTimes(msgspec.Struct, array_like=True, frozen=True):
+    """When a request entered the engine's queue and when it was first scheduled, in
+    the engine process's monotonic clock (comparable with EngineCoreOutputs.timestamp
+    only)."""
+
+    queued: float
+    scheduled: float
+
+
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     """The new tokens of one request in one step."""
 
@@ -49,6 +58,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     # [(token_id, logprob, rank), ...]: the prompt token first, then the top-k
     # alternatives. A step may carry them without any new token.
     prompt_logprobs: list[list[tuple[int, float, int]]] | None = None
+    # With the request's first new token, for the metrics of its phases.
+    times: RequestTimes | None = None
 
     @property
     def finished(self) -> bool:
@@ -78,9 +89,14 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     lora_load_time_sum_s: float = 0.0
     # Prefix caching totals since start-up: (prompt tokens looked up, tokens found).
     prefix_cache_tokens: tuple[int, int] = (0, 0)
+    # Every launched step since start-up, per bucket of the distinct adapters it ran
+    # (loraserve.engine.step_stats' buckets plus one above them), and their total.
+    step_lora_adapter_counts: list[int] = msgspec.field(default_factory=list)
+    step_lora_adapters_sum: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
-    timestamp: float = msgspec.field(default_factory=time.time)
+    # When the outputs were made, in the engine process's monotonic clock.
+    timestamp: float = msgspec.field(default_factory=time.monotonic)
     stats: SchedulerStats | None = None

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from loraserve.engine.protocol import EngineCoreRequest, FinishReason
+from loraserve.engine.protocol import EngineCoreRequest, FinishReason, RequestTimes
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams
 from loraserve.worker.input_batch import PENDING_TOKEN
@@ -45,6 +46,10 @@ class Request:
     # Prompt logprobs: the prompt positions whose logprobs are already on their way
     # (a recomputation after preemption does not send them again).
     num_prompt_logprobs_sent: int = 0
+    # For the metrics: when the request entered the engine's queue and when the
+    # scheduler first gave it a place in a step (this process's monotonic clock).
+    queued_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None
 
     @classmethod
     def from_engine_request(cls, req: EngineCoreRequest) -> Request:
@@ -60,6 +65,12 @@ class Request:
     @property
     def lora_name(self) -> str | None:
         return self.lora_request.lora_name if self.lora_request is not None else None
+
+    def first_token_times(self) -> RequestTimes | None:
+        """The queue and schedule times, once: with the request's first output token."""
+        if len(self.output_token_ids) != 1 or self.scheduled_time is None:
+            return None
+        return RequestTimes(self.queued_time, self.scheduled_time)
 
     @property
     def num_tokens(self) -> int:

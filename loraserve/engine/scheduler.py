@@ -15,6 +15,7 @@ another adapter could never go: the engine fails it before it gets here.)
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -131,6 +132,8 @@ class Scheduler:
                 break
             self.kv.record_prefix_lookup(req.num_tokens, num_hit)
             req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new

@@ -53,6 +53,8 @@ class EngineReady(msgspec.Struct, omit_defaults=True):
     pid: int
     max_model_len: int
     model_path: str
+    # The KV cache's size in blocks, decided as the engine started.
+    num_kv_blocks: int = 0
 
 
 class EngineFailed(msgspec.Struct):

@@ -60,10 +60,11 @@ from loraserve.entrypoints.shutdown import (
     shutting_down_error,
 )
 from loraserve.lora.resolver import load_resolvers
-from loraserve.metrics import CONTENT_TYPE, ServerMetrics
+from loraserve.metrics import CONTENT_TYPE, ServerMetrics, cache_config_labels
 
 if TYPE_CHECKING:
     from loraserve.config import EngineConfig
+    from loraserve.engine.utility import EngineReady
 
 logger = logging.getLogger("loraserve.api_server")
 
@@ -321,12 +322,27 @@ def http_settings(settings: ServerSettings) -> dict[str, Any]:
     }
 
 
+def server_metrics(settings: ServerSettings) -> ServerMetrics:
+    """The metrics of one server (or Ray replica) with these settings."""
+    lora_config = settings.engine_config.lora_config
+    return ServerMetrics(settings.served_model_names[0],
+                         lora_config.max_loras if lora_config else None,
+                         prefix=settings.metrics_prefix,
+                         max_model_len=settings.engine_config.model_config.max_model_len)
+
+
+def record_engine_ready(metrics: ServerMetrics, settings: ServerSettings,
+                        ready: EngineReady) -> None:
+    """What the metrics learn once the engine is up: the KV cache it sized."""
+    metrics.set_cache_config(cache_config_labels(settings.engine_config.cache_config,
+                                                 ready.num_kv_blocks))
+
+
 async def serve(settings: ServerSettings, tokenizer: Any) -> int:
     """Run the server until a signal or the engine's death; returns the exit code."""
     sock = bind_socket(settings.host, settings.port)
     lora_config = settings.engine_config.lora_config
-    metrics = ServerMetrics(settings.served_model_names[0],
-                            lora_config.max_loras if lora_config else None)
+    metrics = server_metrics(settings)
     engine = AsyncEngineClient(tokenizer, settings.eos_token_id, metrics)
     request_tokenizer = RequestTokenizer(tokenizer)
     exit_code = 0
@@ -340,6 +356,7 @@ async def serve(settings: ServerSettings, tokenizer: Any) -> int:
                     settings.model or settings.engine_config.model_config.model,
                     settings.engine_config.device)
         ready = await engine.start(settings.engine_config, timeout)
+        record_engine_ready(metrics, settings, ready)
         logger.info("engine core ready (pid %d, max_model_len %d)", ready.pid,
                     ready.max_model_len)
         allow_runtime = envs.ALLOW_RUNTIME_LORA_UPDATING.flag()

@@ -13,6 +13,7 @@ from loraserve.entrypoints.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
 from loraserve.entrypoints.serving_models import LoRAModulePath
 from loraserve.entrypoints.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
 from loraserve.lora.request import lora_name_error
+from loraserve.metrics import METRICS_PREFIXES
 from loraserve.options import OptionError, option, positive_int, seconds, string_list
 
 if TYPE_CHECKING:
@@ -82,10 +83,15 @@ class ServerArgs:
     port: int = _server(8000, help="Port to listen on.")
     api_key: str | None = _server(
         help=f"Require 'Authorization: Bearer KEY' on every endpoint but /health, /version "
-        f"and /metrics (also from ${envs.API_KEY.name}).")
+        f"and /metrics (also from ${envs.API_KEY.name}, or vLLM's ${envs.API_KEY.aliases[0]}).")
     metrics_require_api_key: bool = _server(
         False, help="With --api-key, require the key on /metrics too (the Prometheus scraper "
         "then needs it).")
+    metrics_prefix: str = _server(
+        "loraserve", choices=list(METRICS_PREFIXES),
+        help="The prefix of the /metrics names: 'loraserve' (loraserve:num_requests_running, "
+        "...) or 'vllm' (vllm:num_requests_running, ...: vLLM's names, for routers and "
+        "dashboards set up for vLLM). Only the names change.")
     served_model_name: list[str] | None = _server(
         nargs="+", help="Name(s) the base model answers to in the API (default: MODEL).")
     chat_template: str | None = _server(
@@ -145,12 +151,13 @@ class ServerArgs:
         metavar="NAME=PATH|JSON",
         help="Adapters to load at start-up: name=path, or JSON "
         '\'{"name": ..., "path": ..., "base_model_name": ..., "pinned": true}\'.')
-    # None: $LORASERVE_PLUGINS, else all installed.
+    # None: $LORASERVE_PLUGINS (or $VLLM_PLUGINS), else all installed.
     lora_resolvers: list[str] | None = option(
         None, group="LoRA", needs_lora=True, nargs="+", metavar="NAME",
         help="LoRA resolver plugins to run (entry points of loraserve.lora_resolvers), in the "
-        "order they are asked; default: $LORASERVE_PLUGINS, else all installed. Needs "
-        "LORASERVE_ALLOW_RUNTIME_LORA_UPDATING=1.")
+        "order they are asked; default: $LORASERVE_PLUGINS (or $VLLM_PLUGINS), else all "
+        "installed. Needs LORASERVE_ALLOW_RUNTIME_LORA_UPDATING=1 (or "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1).")
 
     @property
     def cors(self) -> CORSPolicy:

@@ -9,10 +9,11 @@ function that takes no arguments. Either it registers its resolvers itself and
 returns None (vLLM's form), or it returns a LoRAResolver, which is registered
 under the entry point's name, or None when it is not configured (for example its
 environment variable is unset). Which plugins run is chosen by name: the
-``--lora-resolvers`` list, else ``LORASERVE_PLUGINS`` (comma-separated, as vLLM's
-``VLLM_PLUGINS``), else all of them. The API server asks the resolvers in the
-order they were registered, first match wins, only while runtime LoRA updating is
-on.
+``--lora-resolvers`` list, else ``LORASERVE_PLUGINS`` (comma-separated), else vLLM's
+``VLLM_PLUGINS``, else all of them. ``VLLM_PLUGINS`` may also name vLLM plugins of
+other kinds: its names that are no resolver plugin here are skipped. The API server
+asks the resolvers in the order they were registered, first match wins, only while
+runtime LoRA updating is on.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def plugin_entry_points() -> list[EntryPoint]:
 
 
 def selected_plugin_names() -> list[str] | None:
-    """The plugin names in LORASERVE_PLUGINS; None when it is unset (all plugins)."""
+    """The plugin names in LORASERVE_PLUGINS (else VLLM_PLUGINS); None when neither is
+    set (all plugins)."""
     value = envs.PLUGINS.raw()
     if value is None:
         return None
@@ -117,10 +119,11 @@ def load_resolvers(names: Iterable[str] | None = None) -> list[LoRAResolver]:
     """Run the resolver plugins and return the resolvers to ask, in order.
 
     names: the plugins to run (``--lora-resolvers``); None: those named in
-    LORASERVE_PLUGINS, or all when it is unset, and then resolvers registered in
-    code before this call are asked too. A named plugin that does not exist or
-    fails stops start-up with a clear error; of all plugins, a broken one is
-    skipped with its traceback in the log, so that it cannot stop the server.
+    LORASERVE_PLUGINS (or VLLM_PLUGINS), or all when neither is set, and then
+    resolvers registered in code before this call are asked too. A named plugin that
+    does not exist or fails stops start-up with a clear error; of all plugins, a
+    broken one is skipped with its traceback in the log, so that it cannot stop the
+    server.
     """
     registry = LoRAResolverRegistry
     chosen = list(names) if names is not None else selected_plugin_names()
@@ -128,7 +131,12 @@ def load_resolvers(names: Iterable[str] | None = None) -> list[LoRAResolver]:
     if chosen is not None:
         by_name = {ep.name: ep for ep in plugins}
         unknown = [name for name in chosen if name not in by_name]
-        if unknown:
+        if unknown and names is None and envs.PLUGINS.source() in envs.PLUGINS.aliases:
+            # vLLM's list names all its plugins, of every kind: only ours are resolvers.
+            logger.info("%s: %s are not LoRA resolver plugins here; skipped",
+                        envs.PLUGINS.source(), unknown)
+            chosen = [name for name in chosen if name in by_name]
+        elif unknown:
             raise ValueError(
                 f"unknown LoRA resolver plugin(s) {unknown}; installed: {sorted(by_name)}"
             )

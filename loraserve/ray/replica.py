@@ -26,12 +26,16 @@ from ray import serve
 
 from loraserve import envs
 from loraserve.engine.core_client import AsyncEngineClient, EngineDeadError, EngineUtilityError
-from loraserve.entrypoints.api_server import ServerSettings, build_server_state
+from loraserve.entrypoints.api_server import (
+    ServerSettings,
+    build_server_state,
+    record_engine_ready,
+    server_metrics,
+)
 from loraserve.entrypoints.errors import APIError, engine_unavailable, not_found
 from loraserve.entrypoints.request_tokenizer import RequestTokenizer
 from loraserve.entrypoints.serving_models import ServingModels, load_error
 from loraserve.lora.request import LoRARequest
-from loraserve.metrics import ServerMetrics
 from loraserve.ray.registry import RegistrySnapshot
 
 logger = logging.getLogger("loraserve.ray.replica")
@@ -75,13 +79,12 @@ class EngineReplica:
         replica reads them all as it starts, so that a bad one stops the start."""
         self.registry = registry
         self.replica = _replica_name()
-        lora_config = settings.engine_config.lora_config
-        self.metrics = ServerMetrics(settings.served_model_names[0],
-                                     lora_config.max_loras if lora_config else None)
+        self.metrics = server_metrics(settings)
         self.engine = AsyncEngineClient(tokenizer, settings.eos_token_id, self.metrics)
         self.request_tokenizer = RequestTokenizer(tokenizer)
         ready = await self.engine.start(settings.engine_config,
                                         float(envs.ENGINE_READY_TIMEOUT_S.get()))
+        record_engine_ready(self.metrics, settings, ready)
         try:
             await self._set_up(settings, ready, registry, static_loras)
         except BaseException:

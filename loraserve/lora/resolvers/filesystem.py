@@ -1,4 +1,5 @@
-"""Resolve adapter names to folders under LORASERVE_LORA_RESOLVER_CACHE_DIR.
+"""Resolve adapter names to folders under LORASERVE_LORA_RESOLVER_CACHE_DIR (or vLLM's
+VLLM_LORA_RESOLVER_CACHE_DIR).
 
 The name ``sql`` is ``<cache_dir>/sql``, and a Hub-style name ``org/sql`` is
 ``<cache_dir>/org/sql``, so a cache laid out by repo id serves requests that name
@@ -75,5 +76,6 @@ def create_resolver() -> FilesystemResolver | None:
     if not cache_dir:
         return None
     if not Path(cache_dir).is_dir():
-        raise ValueError(f"{ENV_CACHE_DIR}={cache_dir!r} is not a directory")
+        raise ValueError(f"{envs.LORA_RESOLVER_CACHE_DIR.source()}={cache_dir!r} is not a "
+                         "directory")
     return FilesystemResolver(cache_dir)
