@@ -162,8 +162,11 @@ def hf_greedy(
     adapter_dir: str | Path | None,
     prompt_token_ids: list[int],
     max_new_tokens: int,
+    process=None,
 ) -> list[int]:
-    """transformers(+PEFT) greedy decoding in fp32: the reference."""
+    """transformers(+PEFT) greedy decoding in fp32: the reference. ``process``, if
+    given, turns each step's logits (1-D, fp32) and the tokens generated so far
+    into the logits the argmax is taken of."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -182,7 +185,10 @@ def hf_greedy(
         for _ in range(max_new_tokens):
             res = model(input_ids=step_ids, past_key_values=past, use_cache=True)
             past = res.past_key_values
-            token = int(res.logits[0, -1].argmax())
+            logits = res.logits[0, -1].float()
+            if process is not None:
+                logits = process(logits.clone(), list(out))
+            token = int(logits.argmax())
             out.append(token)
             step_ids = torch.tensor([[token]])
     return out
