@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from utils import hf_greedy
+from utils import bad_word_ids, clean_word, contains, hf_greedy
 
 from loraserve import LLM, SamplingParams
 from loraserve.lora.request import LoRARequest
@@ -40,19 +40,6 @@ def _generate(llm, prompts, params, loras=None):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, loras,
                         use_tqdm=False)
     return [o.outputs[0] for o in outs]
-
-
-def _reference_bad_word_ids(tokenizer, words: list[str]) -> list[list[int]]:
-    """vLLM's tokenization of bad words, written out for the reference: the word,
-    and the word after a space where the space joins its first token."""
-    found = []
-    for word in words:
-        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        found.append(alone)
-        if len(spaced) == len(alone) and spaced[0] != alone[0]:
-            found.append(spaced)
-    return found
 
 
 def _ban_bad_words(word_ids: list[list[int]]):
@@ -106,35 +93,19 @@ def test_allowed_token_ids_are_the_only_ones_sampled(llm, prompts):
         SamplingParams(allowed_token_ids=[])
 
 
-def _word_from(tok, token_ids: list[int], length: int) -> tuple[str, list[int]]:
-    """A word of `length` tokens from a generated text: printable, and tokenized
-    alone into the same tokens (the random model's text is mostly stray bytes)."""
-    for i in range(len(token_ids) - length + 1):
-        window = token_ids[i:i + length]
-        text = tok.decode(window)
-        if text.isprintable() and text.isascii() and text.strip() \
-                and tok.encode(text, add_special_tokens=False) == window:
-            return text, window
-    raise AssertionError(f"no clean {length}-token word in {token_ids}")
-
-
-def _contains(seq: list[int], sub: list[int]) -> bool:
-    return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
-
-
 def test_bad_words_never_appear_where_greedy_had_them(llm, prompts):
     tok = llm.tokenizer
     plain = _generate(llm, [prompts[3]], _greedy(max_tokens=16))[0]
-    several, several_ids = _word_from(tok, plain.token_ids, 2)
-    assert several in plain.text and _contains(plain.token_ids, several_ids)
+    several, several_ids = clean_word(tok, plain.token_ids, 2)
+    assert several in plain.text and contains(plain.token_ids, several_ids)
     out = _generate(llm, [prompts[3]], _greedy(max_tokens=16, bad_words=[several]))[0]
-    assert several not in out.text and not _contains(out.token_ids, several_ids)
+    assert several not in out.text and not contains(out.token_ids, several_ids)
     # Its first token alone is still allowed: only the whole word is banned.
     assert several_ids[0] in out.token_ids
-    single, (single_id,) = _word_from(tok, out.token_ids, 1)
+    single, (single_id,) = clean_word(tok, out.token_ids, 1)
     out = _generate(llm, [prompts[3]],
                     _greedy(max_tokens=16, bad_words=[several, single]))[0]
-    assert single_id not in out.token_ids and not _contains(out.token_ids, several_ids)
+    assert single_id not in out.token_ids and not contains(out.token_ids, several_ids)
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=["  "])
 
@@ -148,14 +119,14 @@ def test_mixed_batch_matches_transformers_with_the_same_logit_changes(
     tok = llm.tokenizer
     base_plain = hf_greedy(llama_dir, None, prompts[0], MAX_TOKENS)
     r8_plain = hf_greedy(llama_dir, llama_adapters["r8"], prompts[3], MAX_TOKENS)
-    word, word_ids = _word_from(tok, r8_plain, 2)
+    word, word_ids = clean_word(tok, r8_plain, 2)
     bad = [word]
     cases = [
         (prompts[0], None, {}, None),
         (prompts[0], None, {"logit_bias": {base_plain[2]: -3.0, 40: 2.5}},
          _bias({base_plain[2]: -3.0, 40: 2.5})),
         (prompts[3], "r8", {"bad_words": bad},
-         _ban_bad_words(_reference_bad_word_ids(tok, bad))),
+         _ban_bad_words(bad_word_ids(tok, bad))),
         (prompts[3], "r8", {}, None),
         (prompts[1], "r16_qv", {"allowed_token_ids": [9, 77, 150, 151, 300]},
          _allow([9, 77, 150, 151, 300])),
@@ -170,7 +141,7 @@ def test_mixed_batch_matches_transformers_with_the_same_logit_changes(
         expected = hf_greedy(llama_dir, adapter_dir, prompt, MAX_TOKENS, process)
         assert out.token_ids == expected, (lora, controls)
     # The controls changed something: the bad word was in the plain output.
-    assert _contains(r8_plain, word_ids) and not _contains(outs[2].token_ids, word_ids)
+    assert contains(r8_plain, word_ids) and not contains(outs[2].token_ids, word_ids)
     assert outs[0].token_ids == base_plain and outs[1].token_ids != base_plain
 
 
