@@ -179,7 +179,8 @@ class EngineArgs:
     async_scheduling: bool = _engine(
         True, help="Schedule and launch each step before the previous step's tokens are back "
         "on the host, so scheduling overlaps the GPU (default: on). Steps with requests that "
-        "use repetition, frequency or presence penalties wait for them as before.")
+        "use repetition, frequency or presence penalties, or bad words of more than one "
+        "token, wait for them as before.")
     enable_prefix_caching: bool = _engine(
         True, help="Reuse the KV cache blocks of a prompt prefix that an earlier request "
         "(with the same adapter, or none) computed (default: on).")

@@ -52,8 +52,8 @@ class RequestLoggingEngine:
         priority: int = 0,
     ) -> AsyncIterator[Any]:
         model = lora_request.lora_name if lora_request is not None else self._base_model_name
-        logger.info("request %s: model %s, %d prompt tokens, priority %d, sampling: %s",
-                    request_id, model, len(prompt_token_ids), priority,
-                    summarize_sampling(params))
+        logger.info("request %s: model %s, %d prompt tokens, sampling: %s%s", request_id,
+                    model, len(prompt_token_ids), summarize_sampling(params),
+                    f"; priority {priority}" if priority else "")
         return self._engine.generate(request_id, prompt, prompt_token_ids, params,
                                      lora_request, priority)
