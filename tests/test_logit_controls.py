@@ -116,6 +116,10 @@ def test_mixed_batch_matches_transformers_with_the_same_logit_changes(
     """Base and adapters, with and without controls, in one batch (async scheduling,
     so multi-token bad words make steps wait for the last token): each request's
     tokens are transformers+PEFT's greedy tokens with its own change to the logits."""
+    _check_mixed_batch(llm, adapters, llama_dir, llama_adapters, prompts)
+
+
+def _check_mixed_batch(llm, adapters, llama_dir, llama_adapters, prompts) -> None:
     tok = llm.tokenizer
     base_plain = hf_greedy(llama_dir, None, prompts[0], MAX_TOKENS)
     r8_plain = hf_greedy(llama_dir, llama_adapters["r8"], prompts[3], MAX_TOKENS)
@@ -236,3 +240,53 @@ def test_controls_never_take_the_decode_graph_argmax():
     bad = SamplingParams(temperature=0)
     bad.bad_words_token_ids = [[3]]
     assert not Sampler.argmax_suffices(plain + [SamplingRow(bad, [0], [], None, None)])
+
+
+# ---- on a GPU: decode steps replay CUDA graphs, whose fused argmax the controls
+# must not take -------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_mixed_batch_on_a_gpu_with_decode_graphs(adapters, llama_dir, llama_adapters,
+                                                 prompts, async_scheduling):
+    llm = LLM(llama_dir, device="cuda", dtype="float32", enable_lora=True, max_loras=2,
+              max_lora_rank=16, max_num_seqs=16, kv_cache_memory_bytes=1 << 28,
+              async_scheduling=async_scheduling)
+    assert llm.engine.runner.graphs is not None
+    _check_mixed_batch(llm, adapters, llama_dir, llama_adapters, prompts)
+
+
+@pytest.mark.gpu
+def test_bf16_controls_hold_in_decode_graph_steps(adapters, llama_dir, prompts):
+    llm = LLM(llama_dir, device="cuda", dtype="bfloat16", enable_lora=True, max_loras=2,
+              max_lora_rank=16, max_num_seqs=16, kv_cache_memory_bytes=1 << 28)
+    assert llm.engine.runner.graphs is not None
+    alone = _generate(llm, [prompts[1]], _greedy(), [adapters["r8"]])[0].token_ids
+    allowed = [9, 77, 150, 300]
+    outs = _generate(
+        llm, [prompts[1]] * 4,
+        [_greedy(), _greedy(logit_bias={17: 100.0}), _greedy(allowed_token_ids=allowed),
+         _greedy(logit_bias={alone[0]: -100.0})],
+        [adapters["r8"], None, adapters["r8"], adapters["r8"]])
+    assert outs[0].token_ids == alone
+    assert outs[1].token_ids == [17] * MAX_TOKENS
+    assert set(outs[2].token_ids) <= set(allowed)
+    assert outs[3].token_ids[0] != alone[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_sampler_applies_controls_on_cuda_as_on_the_cpu(dtype):
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(6, 32000, generator=gen) * 4).to(dtype)
+    top = logits.float().argmax(-1).tolist()
+    bad = SamplingParams(temperature=0)
+    bad.bad_words_token_ids = [[top[3]], [5, top[4]]]
+    rows = [_row(), _row(logit_bias={7: 30.0, top[1]: -100.0}), _row(),
+            SamplingRow(bad, [0], [9, 5], None, None), _row(allowed_token_ids=[11, 12, 13]),
+            _row(logit_bias={top[5]: -0.001})]
+    on_cpu = Sampler(torch.device("cpu")).sample(logits, rows).to_host().token_ids
+    on_gpu = Sampler(torch.device("cuda")).sample(logits.cuda(), rows).to_host().token_ids
+    assert on_gpu == on_cpu
+    assert on_cpu[1] == 7 and on_cpu[3] != top[3] and on_cpu[4] in (11, 12, 13)
