@@ -119,8 +119,9 @@ class OpenAIServing:
 
         async def step(sequences: list[list[int]], num_logprobs: int):
             step_id = f"{request_id}-beam{next(steps)}"
-            one_token = SamplingParams(max_tokens=1, temperature=0.0, logprobs=num_logprobs,
-                                       ignore_eos=True)
+            # A beam width beyond half the vocabulary ranks every token.
+            one_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                       logprobs=min(num_logprobs, self.limits.vocab_size))
             streams = [self.engine.generate(f"{step_id}-{i}", None, ids, one_token, lora,
                                             priority)
                        for i, ids in enumerate(sequences)]
