@@ -10,6 +10,8 @@ import torch
 
 from loraserve.options import OptionError, is_set, lora_only, option, positive_int
 
+# The orders the scheduler can start waiting requests in (engine/scheduler.py).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 SUPPORTED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _DTYPES = {
     "float32": torch.float32,
@@ -68,6 +70,8 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # fcfs or priority (see engine/scheduler.py).
+    policy: str = "fcfs"
 
 
 @dataclass
@@ -151,6 +155,12 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _engine(
         type=positive_int, help="Token budget per step; a longer prefill is chunked over "
         "several steps (default: 8192 on a GPU, 2048 on the CPU).")
+    scheduling_policy: str = _engine(
+        "fcfs", choices=list(SCHEDULING_POLICIES),
+        help="The order waiting requests start in: fcfs (first come, first served) or "
+        "priority (by each request's priority field, lower first, ties by arrival; when "
+        "KV blocks run out, the running request of the highest priority value is "
+        "preempted). With fcfs a request whose priority is not 0 is refused.")
     block_size: int = _engine(16, type=positive_int, help="KV block size.")
     gpu_memory_utilization: float = _engine(
         0.9, help="Fraction of GPU memory for weights, activations and the KV cache.")
@@ -169,7 +179,8 @@ class EngineArgs:
     async_scheduling: bool = _engine(
         True, help="Schedule and launch each step before the previous step's tokens are back "
         "on the host, so scheduling overlaps the GPU (default: on). Steps with requests that "
-        "use repetition, frequency or presence penalties wait for them as before.")
+        "use repetition, frequency or presence penalties, or bad words of more than one "
+        "token, wait for them as before.")
     enable_prefix_caching: bool = _engine(
         True, help="Reuse the KV cache blocks of a prompt prefix that an earlier request "
         "(with the same adapter, or none) computed (default: on).")
@@ -218,6 +229,10 @@ class EngineArgs:
                               modes=", ".join(CUDAGRAPH_MODES), value=self.cudagraph_mode)
         if self.cudagraph_mode == "NONE":
             self.enforce_eager = True
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise OptionError("{scheduling_policy} must be one of {policies}, not {value!r}",
+                              policies=", ".join(SCHEDULING_POLICIES),
+                              value=self.scheduling_policy)
         if self.load_format not in ("auto", "dummy", "safetensors"):
             raise OptionError("{load_format} must be auto, safetensors or dummy, not {value!r}",
                               value=self.load_format)
@@ -290,6 +305,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs or (256 if on_gpu else 32),
                 max_num_batched_tokens=self.max_num_batched_tokens or (8192 if on_gpu else 2048),
                 max_model_len=max_model_len,
+                policy=self.scheduling_policy,
             ),
             lora_config=self._lora_config(model_dtype),
             device=device,

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 
 _GREEDY_EPS = 1e-5
+# OpenAI's range for a logit bias; larger values are clamped to it, as vLLM does.
+MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -30,12 +34,23 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias;
+    # clamped to [-100, 100]).
+    logit_bias: dict[int, float] | None = None
+    # vLLM's: only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words that must not be generated. The front end tokenizes them into
+    # bad_words_token_ids (see tokenize_bad_words), which is what the sampler reads.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = _clamped_bias(self.logit_bias)
         self.validate()
 
     def validate(self) -> None:
@@ -85,10 +100,44 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 self.prompt_logprobs is None or self.prompt_logprobs >= 0,
                 f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}",
             ),
+            (
+                self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+                "allowed_token_ids must not be empty: nothing could be sampled",
+            ),
+            (
+                all(word.strip() for word in self.bad_words or ()),
+                "bad_words must not hold an empty or blank word",
+            ),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        for name, token_ids in self.token_id_fields():
+            bad = next((t for t in token_ids if t < 0), None)
+            if bad is not None:
+                raise ValueError(f"{name} must not hold negative token ids, got {bad}")
+
+    def token_id_fields(self) -> Iterator[tuple[str, list[int]]]:
+        """(field, token ids) for every field that names token ids, so that a
+        caller who knows the vocabulary can check them all."""
+        yield "stop_token_ids", list(self.stop_token_ids or [])
+        yield "logit_bias", list(self.logit_bias or {})
+        yield "allowed_token_ids", list(self.allowed_token_ids or [])
+        yield "bad_words", [t for word in self.bad_words_token_ids or () for t in word]
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """logit_bias, allowed_token_ids or bad_words: the sampler changes this
+        request's logits (and only this request's) before it samples."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None \
+            or bool(self.bad_words_token_ids)
+
+    @property
+    def reads_output_tokens(self) -> bool:
+        """Whether sampling reads the tokens generated so far: penalties, and bad
+        words of more than one token (their last token is banned only after the
+        others). Such a request needs its previous token back on the host first."""
+        return self.uses_penalties or any(len(w) > 1 for w in self.bad_words_token_ids or ())
 
     @property
     def uses_penalties(self) -> bool:
@@ -103,3 +152,38 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     @property
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
+
+
+def _clamped_bias(bias: dict[Any, float]) -> dict[int, float]:
+    """Token id keys as ints (JSON object keys arrive as strings) and biases within
+    [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]."""
+    clamped = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"logit_bias keys must be token ids (integers), got {key!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int | float) \
+                or not math.isfinite(value):
+            raise ValueError(f"logit_bias values must be finite numbers, got {value!r}")
+        clamped[token_id] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(value)))
+    return clamped
+
+
+def tokenize_bad_words(bad_words: list[str], tokenizer: Any) -> list[list[int]]:
+    """The token id sequences that stand for `bad_words`, as vLLM finds them: each
+    word (leading spaces removed) as it is tokenized alone, and, where the tokenizer
+    folds a leading space into the first token, the form with that space too (the
+    word in the middle of a text)."""
+    sequences: list[list[int]] = []
+    for word in bad_words:
+        word = word.lstrip()
+        alone = tokenizer.encode(word, add_special_tokens=False)
+        sequences.append(alone)
+        spaced = tokenizer.encode(" " + word, add_special_tokens=False)
+        # A space that makes a token of its own ("_", "word") adds nothing new: the
+        # word itself is banned already.
+        if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            sequences.append(spaced)
+    return [s for s in sequences if s]

@@ -211,7 +211,7 @@ def test_unknown_model_is_404_in_openai_shape(client, server):
     {"model": "sql", "prompt": "hi", "logprobs": 50},
     {"model": "sql", "prompt": "hi", "stream_options": {"include_usage": True}},
     {"model": "sql", "prompt": "hi", "suffix": "x"},
-    {"model": "sql", "prompt": "hi", "logit_bias": {"1": 5}},
+    {"model": "sql", "prompt": "hi", "logit_bias": {"999999": 5}},
 ])
 def test_invalid_completion_is_400(server, body):
     response = server.post("/v1/completions", body)

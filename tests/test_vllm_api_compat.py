@@ -377,12 +377,7 @@ def test_add_special_tokens(server, model_dir):
 
 
 @pytest.mark.parametrize(("endpoint", "field", "value"), [
-    ("completions", "use_beam_search", True),
-    ("chat/completions", "use_beam_search", True),
     ("chat/completions", "prompt_logprobs", 1),
-    ("completions", "length_penalty", 0.5),
-    ("completions", "allowed_token_ids", [1, 2]),
-    ("completions", "bad_words", ["fox"]),
     ("completions", "truncate_prompt_tokens", 3),
     ("completions", "spaces_between_special_tokens", False),
     ("completions", "guided_json", {"type": "object"}),
@@ -398,7 +393,6 @@ def test_add_special_tokens(server, model_dir):
     ("chat/completions", "tool_choice", "auto"),
     ("chat/completions", "tool_choice", "required"),
     ("completions", "response_format", {"type": "json_object"}),
-    ("completions", "logit_bias", {"1": 5.0}),
 ])
 def test_unsupported_fields_are_refused_by_name(server, endpoint, field, value):
     body = {"model": "base", "max_tokens": 1, field: value}

@@ -162,8 +162,11 @@ def hf_greedy(
     adapter_dir: str | Path | None,
     prompt_token_ids: list[int],
     max_new_tokens: int,
+    process=None,
 ) -> list[int]:
-    """transformers(+PEFT) greedy decoding in fp32: the reference."""
+    """transformers(+PEFT) greedy decoding in fp32: the reference. ``process``, if
+    given, turns each step's logits (1-D, fp32) and the tokens generated so far
+    into the logits the argmax is taken of."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -182,7 +185,10 @@ def hf_greedy(
         for _ in range(max_new_tokens):
             res = model(input_ids=step_ids, past_key_values=past, use_cache=True)
             past = res.past_key_values
-            token = int(res.logits[0, -1].argmax())
+            logits = res.logits[0, -1].float()
+            if process is not None:
+                logits = process(logits.clone(), list(out))
+            token = int(logits.argmax())
             out.append(token)
             step_ids = torch.tensor([[token]])
     return out
@@ -190,3 +196,35 @@ def hf_greedy(
 
 def read_json(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def bad_word_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenization of bad words, written out for the tests: each word
+    without its leading spaces, and after a space where the space joins its first
+    token (the same number of tokens, another first token)."""
+    found = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        found.append(alone)
+        if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            found.append(spaced)
+    return found
+
+
+def clean_word(tokenizer, token_ids: list[int], length: int) -> tuple[str, list[int]]:
+    """A word of `length` tokens from a generated text that a bad word (or a stop
+    string) can be checked against: whole characters (a random model's text is
+    mostly stray bytes), and a bad word whose tokens are those `length` tokens."""
+    for i in range(len(token_ids) - length + 1):
+        window = token_ids[i:i + length]
+        text = tokenizer.decode(window)
+        if "\ufffd" not in text and text.strip() \
+                and not set(window) & set(tokenizer.all_special_ids) \
+                and window in bad_word_ids(tokenizer, [text]):
+            return text, window
+    raise AssertionError(f"no clean {length}-token word in {token_ids}")
+
+
+def contains(seq: list[int], sub: list[int]) -> bool:
+    return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))

@@ -257,6 +257,7 @@ class AsyncEngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[Any]:
         """Yield RequestOutputs until the request finishes; aborts it if abandoned."""
         if self.is_dead:
@@ -274,6 +275,7 @@ class AsyncEngineClient:
                 params,
                 lora_request,
                 self.eos_token_id,
+                priority,
             )
             for engine_request in engine_requests:
                 self._send(InputKind.ADD, engine_request)

@@ -132,7 +132,11 @@ class EngineCore:
         vocab = self.config.model_config.hf_config.vocab_size
         params = ecr.sampling_params
         _check_token_ids("prompt token ids", ecr.prompt_token_ids, vocab)
-        _check_token_ids("stop_token_ids", params.stop_token_ids or [], vocab)
+        for name, token_ids in params.token_id_fields():
+            _check_token_ids(name, token_ids, vocab)
+        if params.bad_words and params.bad_words_token_ids is None:
+            raise ValueError("bad_words must reach the engine tokenized (bad_words_token_ids)")
+        self.scheduler.check_priority(ecr.priority)
         if ecr.eos_token_id is not None:
             _check_token_ids("eos_token_id", [ecr.eos_token_id], vocab)
         for name in ("logprobs", "prompt_logprobs"):
@@ -279,10 +283,11 @@ class EngineCore:
         return launched
 
     def _can_overlap(self) -> bool:
-        """Penalties read a request's whole output: those steps wait for the last one."""
+        """Penalties and multi-token bad words read a request's output: those steps
+        wait for the last one."""
         if not self.config.async_scheduling:
             return False
-        return not any(r.sampling_params.uses_penalties for r in self.scheduler.running)
+        return not any(r.sampling_params.reads_output_tokens for r in self.scheduler.running)
 
     def _launch_isolating(
         self, scheduled: list[tuple[Request, int]], outputs: list[EngineCoreOutput]

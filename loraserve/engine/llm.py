@@ -45,12 +45,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """``priority``: one per prompt, with the priority scheduling policy (lower
+        values first)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         loras = _per_prompt(lora_request, len(prompts), "lora_request")
+        priorities = _per_prompt(list(priority) if priority is not None else 0, len(prompts),
+                                 "priority")
 
         # A bad adapter fails here, before any request is queued, with its reason.
         for lora in {lr for lr in loras if lr is not None}:
@@ -63,11 +68,12 @@ class LLM:
         order: list[str] = []
         queued: list[str] = []
         try:
-            for prompt, sp, lora in zip(prompts, params, loras, strict=True):
+            for prompt, sp, lora, prio in zip(prompts, params, loras, priorities, strict=True):
                 text, token_ids = self._tokenize(prompt)
                 rid = str(next(self._ids))
                 order.append(rid)
-                for ecr in processor.add_request(rid, text, token_ids, sp, lora, self._eos):
+                for ecr in processor.add_request(rid, text, token_ids, sp, lora, self._eos,
+                                                 prio):
                     self.engine.add_request(ecr)
                     queued.append(ecr.request_id)
         except Exception:

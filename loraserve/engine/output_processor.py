@@ -17,7 +17,7 @@ from loraserve.engine.detokenizer import IncrementalDetokenizer
 from loraserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from loraserve.engine.request_stats import IterationStats, RequestTimeline
 from loraserve.lora.request import LoRARequest
-from loraserve.sampling_params import SamplingParams
+from loraserve.sampling_params import SamplingParams, tokenize_bad_words
 
 
 @dataclass
@@ -109,9 +109,14 @@ class OutputProcessor:
         params: SamplingParams,
         lora_request: LoRARequest | None = None,
         eos_token_id: int | None = None,
+        priority: int = 0,
     ) -> list[EngineCoreRequest]:
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.bad_words and params.bad_words_token_ids is None:
+            # The engine has no tokenizer: the bad words reach it as token ids.
+            params = msgspec.structs.replace(
+                params, bad_words_token_ids=tokenize_bad_words(params.bad_words, self.tokenizer))
         parent = _ParentState(request_id, prompt, prompt_token_ids, lora_request)
         if params.prompt_logprobs is not None:
             parent.output.prompt_logprobs = [None]
@@ -143,6 +148,7 @@ class OutputProcessor:
                 sampling_params=child_params,
                 eos_token_id=eos_token_id,
                 lora_request=lora_request,
+                priority=priority,
             ))
         return requests
 

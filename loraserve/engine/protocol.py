@@ -28,6 +28,9 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     eos_token_id: int | None = None
     lora_request: LoRARequest | None = None
     arrival_time: float = msgspec.field(default_factory=time.time)
+    # With --scheduling-policy priority: lower values are scheduled first (ties by
+    # arrival), and are preempted last.
+    priority: int = 0
 
 
 class RequestTimes(msgspec.Struct, array_like=True, frozen=True):

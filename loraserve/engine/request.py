@@ -29,6 +29,7 @@ class Request:
     eos_token_id: int | None
     lora_request: LoRARequest | None
     arrival_time: float
+    priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -60,6 +61,7 @@ class Request:
             eos_token_id=req.eos_token_id,
             lora_request=req.lora_request,
             arrival_time=req.arrival_time,
+            priority=req.priority,
         )
 
     @property

@@ -1,5 +1,13 @@
 """Continuous batching with a token budget (chunked prefill), paged KV blocks with
-prefix caching, preemption by recompute, and the max_loras rule.
+prefix caching, preemption by recompute, the max_loras rule and the scheduling
+policy.
+
+The policy (vLLM's --scheduling-policy) orders the waiting queue: fcfs by
+arrival, priority by (priority, arrival), lower first (request_queue.py). It also
+picks whom to preempt when a running request needs KV blocks that are not free:
+fcfs the running request that started last, priority the running request of the
+highest priority value (of those, the latest to arrive), as vLLM does. A request
+preempted after it was scheduled this step gives its tokens back to the budget.
 
 A request admitted from the queue (new, or preempted) starts with the cached
 blocks of its prompt's longest cached prefix (engine/kv_blocks.py) and computes
@@ -16,12 +24,12 @@ another adapter could never go: the engine fails it before it gets here.)
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from loraserve.config import SchedulerConfig
 from loraserve.engine.kv_blocks import KVBlockManager
 from loraserve.engine.request import Request, RequestStatus
+from loraserve.engine.request_queue import make_queue
 from loraserve.lora.request import LoRARequest
 
 
@@ -45,13 +53,20 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.max_loras = max_loras
-        self.waiting: deque[Request] = deque()
+        self.policy = config.policy
+        self.waiting = make_queue(config.policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
 
+    def check_priority(self, priority: int) -> None:
+        """Raise ValueError for a priority that this policy would ignore."""
+        if priority != 0 and self.policy != "priority":
+            raise ValueError(f"got priority {priority} but priority scheduling is not enabled "
+                             "(--scheduling-policy priority)")
+
     def add_request(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        self.waiting.add(req)
 
     def has_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -85,15 +100,29 @@ class Scheduler:
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
-                # Out of blocks: preempt the lowest-priority (latest) running request.
-                victim = self.running.pop()
+                # Out of blocks: preempt the running request the policy values least.
+                victim = self._victim()
+                position = self.running.index(victim)
+                self.running.pop(position)
+                for k, (scheduled, n) in enumerate(out.scheduled):
+                    if scheduled is victim:
+                        del out.scheduled[k]
+                        budget += n
+                        break
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     return
+                if position < i:
+                    i -= 1
             out.scheduled.append((req, num_new))
             budget -= num_new
             i += 1
+
+    def _victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
 
     def _schedule_waiting(
         self, out: SchedulerOutput, budget: int, ready_loras: set[str] | frozenset,
@@ -103,7 +132,7 @@ class Scheduler:
         skipped: list[Request] = []
         to_load: dict[str, LoRARequest] = {}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.popleft()
+            req = self.waiting.pop()
             if req.num_pending:
                 # Preempted with a token in flight: it can restart once that is back.
                 skipped.append(req)
@@ -128,7 +157,7 @@ class Scheduler:
             if not self.kv.allocate_slots(req, num_new):
                 self.kv.free(req)
                 req.num_computed_tokens = 0
-                self.waiting.appendleft(req)
+                skipped.append(req)
                 break
             self.kv.record_prefix_lookup(req.num_tokens, num_hit)
             req.status = RequestStatus.RUNNING
@@ -140,7 +169,7 @@ class Scheduler:
             if name is not None:
                 loras.add(name)
         # Requests that could not go this step keep their places at the front.
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.put_back(skipped)
         out.loras_to_load = list(to_load.values())
 
     def _preempt(self, req: Request) -> None:
@@ -149,7 +178,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.put_back([req])
 
     def finish(self, req: Request) -> None:
         """Remove a request (finished, aborted or failed) and free its blocks. Looks

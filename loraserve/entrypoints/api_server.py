@@ -295,14 +295,15 @@ def build_server_state(
     limits = ModelLimits(max_model_len, vocab_size)
     generator = (RequestLoggingEngine(engine, settings.served_model_names[0])
                  if settings.enable_log_requests else engine)
+    policy = settings.engine_config.scheduler_config.policy
     chat = OpenAIServingChat(generator, models, request_tokenizer, limits,
                              settings.sampling_defaults, settings.trust_request_chat_template,
-                             settings.response_role)
+                             settings.response_role, policy)
     return ServerState(
         engine=engine,
         models=models,
         completion=OpenAIServingCompletion(generator, models, request_tokenizer, limits,
-                                           settings.sampling_defaults),
+                                           settings.sampling_defaults, policy),
         chat=chat,
         tokenization=OpenAIServingTokenization(models, chat, request_tokenizer, limits),
         metrics=metrics,

@@ -56,6 +56,15 @@ class SamplingFields(OpenAIModel):
     return_tokens_as_token_ids: bool | None = None
     # Only {"type": "text"} is served (no structured output).
     response_format: dict[str, Any] | None = None
+    allowed_token_ids: list[Int64] | None = None
+    bad_words: list[str] | None = None
+    # Lower runs first, with --scheduling-policy priority.
+    priority: Int64 = 0
+    # Beam search (see beam_search.py): n beams of width best_of (default n).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    best_of: Int64 | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -63,7 +72,6 @@ class CompletionRequest(SamplingFields):
     max_tokens: Int64 | None = 16
     logprobs: Int64 | None = None
     echo: bool | None = False
-    best_of: Int64 | None = None
     suffix: str | None = None
     # vLLM's extra: the logprobs of the prompt's tokens, with the top k at each.
     prompt_logprobs: Int64 | None = None

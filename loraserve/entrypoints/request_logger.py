@@ -24,6 +24,10 @@ def summarize_sampling(params: SamplingParams) -> str:
              if getattr(params, name) != getattr(defaults, name)]
     if params.stop or params.stop_token_ids:
         parts.append(f"stops={len(params.stop or []) + len(params.stop_token_ids or [])}")
+    # How many, never which: a bad word is request text.
+    for name in ("logit_bias", "allowed_token_ids", "bad_words"):
+        if getattr(params, name):
+            parts.append(f"{name}={len(getattr(params, name))}")
     return ", ".join(parts) or "defaults"
 
 
@@ -45,9 +49,11 @@ class RequestLoggingEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[Any]:
         model = lora_request.lora_name if lora_request is not None else self._base_model_name
-        logger.info("request %s: model %s, %d prompt tokens, sampling: %s", request_id, model,
-                    len(prompt_token_ids), summarize_sampling(params))
+        logger.info("request %s: model %s, %d prompt tokens, sampling: %s%s", request_id,
+                    model, len(prompt_token_ids), summarize_sampling(params),
+                    f"; priority {priority}" if priority else "")
         return self._engine.generate(request_id, prompt, prompt_token_ids, params,
-                                     lora_request)
+                                     lora_request, priority)

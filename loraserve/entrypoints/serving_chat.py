@@ -12,11 +12,12 @@ import inspect
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 from loraserve import envs
+from loraserve.entrypoints.beam_search import Beam
 from loraserve.entrypoints.chat_template import ChatTemplateRenderer, TooLarge
 from loraserve.entrypoints.errors import bad_request, engine_unavailable
 from loraserve.entrypoints.protocol import (
@@ -39,6 +40,7 @@ from loraserve.entrypoints.serving_common import (
     ModelLimits,
     OpenAIServing,
     TokenText,
+    beam_search_params,
     build_sampling_params,
     check_not_supported,
     check_unsupported,
@@ -99,8 +101,10 @@ class OpenAIServingChat(OpenAIServing):
         sampling_defaults: dict[str, Any] | None = None,
         trust_request_chat_template: bool = False,
         response_role: str = "assistant",
+        scheduling_policy: str = "fcfs",
     ) -> None:
-        super().__init__(engine, models, tokenizer, limits, sampling_defaults)
+        super().__init__(engine, models, tokenizer, limits, sampling_defaults,
+                         scheduling_policy)
         self.trust_request_chat_template = trust_request_chat_template
         self.response_role = response_role
         # Longer output could not fit the context anyway.
@@ -186,6 +190,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         check_unsupported(request)
         check_not_supported(request, CHAT_FIELDS_NOT_SUPPORTED)
+        self.check_priority(request)
         if request.tool_choice not in (None, "none"):
             # Tool calls are not parsed out of the text; "auto" would answer with a
             # call as plain content, a named tool choice would not be enforced.
@@ -210,9 +215,19 @@ class OpenAIServingChat(OpenAIServing):
         if self.engine.is_dead:
             raise engine_unavailable()
         request_id = random_id("chatcmpl")
-        stream = self.engine.generate(request_id, prompt, ids, params, lora)
         model_name = request.model or self.models.base_model_name
         token_text = TokenText(self.tokenizer.hf, bool(request.return_tokens_as_token_ids))
+        if request.use_beam_search:
+            search = self.beam_search(request_id, ids,
+                                      beam_search_params(request, max_tokens, top_k), lora,
+                                      request.priority)
+            if request.stream:
+                return sse_events(self._beam_stream(request, request_id, model_name, len(ids),
+                                                    search, token_text))
+            return self._beam_response(request, request_id, model_name, len(ids),
+                                       await search, token_text)
+        await self.add_bad_words(params)
+        stream = self.engine.generate(request_id, prompt, ids, params, lora, request.priority)
         if request.stream:
             return sse_events(
                 self._stream(request, request_id, model_name, len(ids), stream, token_text)
@@ -255,6 +270,58 @@ class OpenAIServingChat(OpenAIServing):
             usage=UsageInfo.of(prompt_len, completion_tokens),
         )
 
+    def _beam_response(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        model_name: str,
+        prompt_len: int,
+        beams: list[Beam],
+        token_text: TokenText,
+    ) -> ChatCompletionResponse:
+        choices = [
+            ChatCompletionChoice(
+                index=i,
+                message=ChatResponseMessage(role=self._role(request), content=beam.text),
+                logprobs=_logprobs(beam.token_ids, beam.logprobs, request.top_logprobs or 0,
+                                   token_text) if request.logprobs else None,
+                finish_reason=beam.finish_reason,
+                stop_reason=beam.stop_reason,
+            )
+            for i, beam in enumerate(beams)
+        ]
+        return ChatCompletionResponse(
+            id=request_id, model=model_name, choices=choices,
+            usage=UsageInfo.of(prompt_len, sum(len(b.token_ids) for b in beams)),
+        )
+
+    async def _beam_stream(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        model_name: str,
+        prompt_len: int,
+        search: Awaitable[list[Beam]],
+        token_text: TokenText,
+    ) -> AsyncIterator[str]:
+        """As vLLM streams beam search: nothing until the search is done, then each
+        beam's role chunk, and one chunk per beam with its whole text."""
+        beams = await search
+        response = self._beam_response(request, request_id, model_name, prompt_len, beams,
+                                       token_text)
+        include_usage, continuous_usage = usage_options(request)
+        for choice in response.choices:
+            yield _sse_chunk(request_id, response.created, model_name, [ChatStreamChoice(
+                index=choice.index, delta=DeltaMessage(role=choice.message.role, content=""))])
+        for choice, beam in zip(response.choices, beams, strict=True):
+            usage = UsageInfo.of(prompt_len, len(beam.token_ids)) if continuous_usage else None
+            yield _sse_chunk(request_id, response.created, model_name, [ChatStreamChoice(
+                index=choice.index, delta=DeltaMessage(content=choice.message.content),
+                logprobs=choice.logprobs, finish_reason=choice.finish_reason,
+                stop_reason=choice.stop_reason)], usage)
+        if include_usage:
+            yield _sse_chunk(request_id, response.created, model_name, [], response.usage)
+
     async def _stream(
         self,
         request: ChatCompletionRequest,
@@ -272,15 +339,7 @@ class OpenAIServingChat(OpenAIServing):
             if usage is None and continuous_usage and choices:
                 # Per choice, as vLLM counts continuous usage.
                 usage = UsageInfo.of(prompt_len, choice_tokens[choices[0].index])
-            body = ChatCompletionChunk(
-                id=request_id, created=created, model=model_name, choices=choices, usage=usage
-            )
-            data = body.model_dump()
-            if usage is None:
-                del data["usage"]
-            for choice in data["choices"]:
-                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-            return sse(data)
+            return _sse_chunk(request_id, created, model_name, choices, usage)
 
         # The first chunk of each choice carries the role, as OpenAI's does.
         for index in range(request.n):
@@ -317,6 +376,20 @@ class OpenAIServingChat(OpenAIServing):
                     )])
         if include_usage:
             yield chunk([], UsageInfo.of(prompt_len, completion_tokens))
+
+
+def _sse_chunk(request_id: str, created: int, model_name: str,
+               choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+    """One streamed chunk; usage only where given, deltas without their unset fields."""
+    body = ChatCompletionChunk(
+        id=request_id, created=created, model=model_name, choices=choices, usage=usage
+    )
+    data = body.model_dump()
+    if usage is None:
+        del data["usage"]
+    for choice in data["choices"]:
+        choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return sse(data)
 
 
 def _logprobs(

@@ -5,18 +5,21 @@ of several streams."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraserve.engine.core_client import EngineDeadError
+from loraserve.entrypoints.beam_search import Beam, BeamSearchParams, beam_search
 from loraserve.entrypoints.errors import APIError, bad_request, engine_unavailable
 from loraserve.entrypoints.protocol import SamplingFields
-from loraserve.sampling_params import SamplingParams
+from loraserve.lora.request import LoRARequest
+from loraserve.sampling_params import SamplingParams, tokenize_bad_words
 
 if TYPE_CHECKING:
     from loraserve.engine.core_client import AsyncEngineClient
@@ -33,6 +36,14 @@ MAX_SEQUENCES_PER_REQUEST = 1024
 # (on the event loop), every stop token id in every sampled token (in the engine).
 MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
+# Every bad word is matched against every request's output at every step (on the
+# engine's host thread): vLLM's bounds.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_TOKENS = 1024
+# Sampling fields beam search has no use for that would change the answer: a
+# request that sets them with use_beam_search is refused (vLLM ignores them).
+_NOT_WITH_BEAM_SEARCH = ("logit_bias", "allowed_token_ids", "bad_words", "presence_penalty",
+                         "frequency_penalty", "repetition_penalty", "prompt_logprobs")
 
 
 @dataclass(frozen=True)
@@ -55,12 +66,14 @@ class OpenAIServing:
         tokenizer: RequestTokenizer,
         limits: ModelLimits,
         sampling_defaults: dict[str, Any] | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.sampling_defaults = sampling_defaults or {}
         self.engine = engine
         self.models = models
         self.tokenizer = tokenizer
         self.limits = limits
+        self.scheduling_policy = scheduling_policy
 
     @property
     def max_model_len(self) -> int:
@@ -69,6 +82,55 @@ class OpenAIServing:
     def check_prompt(self, prompt: str | Sequence[int], param: str = "prompt",
                      room: int = 1) -> None:
         check_prompt_size(self.tokenizer, self.max_model_len, prompt, param, room)
+
+    def check_priority(self, request: SamplingFields) -> None:
+        """As vLLM: a priority other than 0 needs the priority scheduling policy."""
+        if request.priority != 0 and self.scheduling_policy != "priority":
+            raise bad_request(
+                f"priority is not supported by this server (got {request.priority}): it "
+                "schedules first come, first served; start it with --scheduling-policy "
+                "priority to schedule by priority.", param="priority")
+
+    async def add_bad_words(self, params: SamplingParams) -> None:
+        """Tokenize the request's bad words (on a tokenizer thread) into
+        params.bad_words_token_ids, which is what the engine reads."""
+        if not params.bad_words:
+            return
+        size = sum(map(len, params.bad_words))
+        ids = await self.tokenizer.run(size, tokenize_bad_words, params.bad_words,
+                                       self.tokenizer.hf)
+        if sum(map(len, ids)) > MAX_BAD_WORD_TOKENS:
+            raise bad_request(f"bad_words may make at most {MAX_BAD_WORD_TOKENS} tokens in "
+                              f"all, got {sum(map(len, ids))}.", param="bad_words")
+        check_token_ids((t for word in ids for t in word), self.limits.vocab_size, "bad_words")
+        params.bad_words_token_ids = ids
+
+    async def beam_search(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: BeamSearchParams,
+        lora: LoRARequest | None,
+        priority: int = 0,
+    ) -> list[Beam]:
+        """The best beams for one prompt (see beam_search.py), each step's beams
+        run as engine requests for one token and its most likely alternatives."""
+        steps = itertools.count()
+
+        async def step(sequences: list[list[int]], num_logprobs: int):
+            step_id = f"{request_id}-beam{next(steps)}"
+            # A beam width beyond half the vocabulary ranks every token.
+            one_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                       logprobs=min(num_logprobs, self.limits.vocab_size))
+            streams = [self.engine.generate(f"{step_id}-{i}", None, ids, one_token, lora,
+                                            priority)
+                       for i, ids in enumerate(sequences)]
+            finals = await final_request_outputs(streams)
+            return [sorted(final.outputs[0].logprobs[0].items(), key=lambda item: -item[1])
+                    for final in finals]
+
+        return await beam_search(step, prompt_ids, params, self.engine.eos_token_id,
+                                 self.tokenizer.hf)
 
 
 def check_prompt_size(
@@ -117,10 +179,6 @@ def too_many_characters(
 # (docs/vllm-compatibility.md lists them.)
 _UNSET = object()
 VLLM_FIELDS_NOT_SUPPORTED: dict[str, Any] = {
-    "use_beam_search": False,
-    "length_penalty": 1.0,
-    "allowed_token_ids": None,
-    "bad_words": None,
     "truncate_prompt_tokens": None,
     "spaces_between_special_tokens": True,
     "logits_processors": None,
@@ -131,7 +189,6 @@ VLLM_FIELDS_NOT_SUPPORTED: dict[str, Any] = {
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
     "structured_outputs": None,
-    "priority": 0,
     "request_id": None,
     "return_token_ids": False,
     "cache_salt": None,
@@ -143,12 +200,9 @@ VLLM_FIELDS_NOT_SUPPORTED: dict[str, Any] = {
 CHAT_FIELDS_NOT_SUPPORTED: dict[str, Any] = {
     "prompt_logprobs": None,
     "echo": False,
-    "best_of": 1,
     "reasoning_effort": None,
 }
 _WHY_NOT_SUPPORTED = {
-    "use_beam_search": "loraserve samples every sequence on its own; use n with sampling "
-                       "parameters instead",
     "prompt_logprobs": "loraserve returns prompt logprobs on /v1/completions only",
 }
 
@@ -174,8 +228,6 @@ def check_not_supported(request: SamplingFields, fields: dict[str, Any]) -> None
 
 def check_unsupported(request: SamplingFields) -> None:
     check_not_supported(request, VLLM_FIELDS_NOT_SUPPORTED)
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported by this server.", param="logit_bias")
     if request.response_format and request.response_format.get("type", "text") != "text":
         raise bad_request("Only response_format type 'text' is supported.",
                           param="response_format")
@@ -195,6 +247,51 @@ def check_unsupported(request: SamplingFields) -> None:
             f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got "
             f"{len(request.stop_token_ids)}.", param="stop_token_ids",
         )
+    if len(request.bad_words or []) > MAX_BAD_WORDS:
+        raise bad_request(f"bad_words takes at most {MAX_BAD_WORDS} words, got "
+                          f"{len(request.bad_words)}.", param="bad_words")
+    check_beam_search(request)
+
+
+def check_beam_search(request: SamplingFields) -> None:
+    """best_of, and what use_beam_search can be combined with."""
+    best_of = request.best_of
+    if not request.use_beam_search:
+        if best_of is not None and best_of != request.n:
+            raise bad_request("best_of must be unset or equal to n unless use_beam_search "
+                              f"is true (got best_of={best_of}, n={request.n}).",
+                              param="best_of")
+        return
+    if best_of is not None and not request.n <= best_of <= MAX_N:
+        raise bad_request(f"With use_beam_search, best_of (the beam width) must be between n "
+                          f"({request.n}) and {MAX_N}, got {best_of}.", param="best_of")
+    unused = SamplingParams()
+    for name in _NOT_WITH_BEAM_SEARCH:
+        value = getattr(request, name, None)
+        if value is None or value == getattr(unused, name) or value in ([], {}):
+            continue
+        raise bad_request(f"{name} is not supported with use_beam_search: beam search "
+                          "ranks beams by the model's own logprobs.", param=name)
+
+
+def beam_search_params(request: SamplingFields, max_tokens: int,
+                       logprobs: int | None) -> BeamSearchParams:
+    """The beam search a request asks for (with use_beam_search)."""
+    stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    return BeamSearchParams(
+        beam_width=request.best_of or request.n,
+        n=request.n,
+        max_tokens=max_tokens,
+        ignore_eos=request.ignore_eos,
+        length_penalty=request.length_penalty,
+        early_stopping=request.early_stopping,
+        min_tokens=min(request.min_tokens, max_tokens),
+        stop=tuple(stops),
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens,
+        logprobs=logprobs,
+    )
 
 
 def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
@@ -304,13 +401,19 @@ def build_sampling_params(
         "prompt_logprobs": prompt_logprobs,
         "skip_special_tokens": request.skip_special_tokens,
         "include_stop_str_in_output": request.include_stop_str_in_output,
+        "logit_bias": request.logit_bias or None,
+        "allowed_token_ids": request.allowed_token_ids,
+        "bad_words": request.bad_words or None,
     }
+    check_token_ids(request.allowed_token_ids or [], vocab_size, "allowed_token_ids")
     try:
-        return SamplingParams(**fields)
+        params = SamplingParams(**fields)
     except (ValueError, TypeError) as exc:
         # SamplingParams' messages start with the field they are about.
         name = str(exc).split(" ", 1)[0]
         raise bad_request(str(exc), param=name if name in fields else None) from exc
+    check_token_ids(params.logit_bias or {}, vocab_size, "logit_bias")
+    return params
 
 
 class TokenText:
@@ -404,6 +507,18 @@ async def final_request_outputs(streams: list[AsyncIterator[Any]]) -> list[Any]:
             raise error
         results.append(replace(finals[i], outputs=outputs))
     return results
+
+
+async def gather_or_cancel(awaitables: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Await all, in order; the first to raise cancels the others (aborting their
+    engine requests) and its error is raised."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def sse_events(events: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -21,12 +21,14 @@ from loraserve.entrypoints.serving_common import (
     MAX_SEQUENCES_PER_REQUEST,
     OpenAIServing,
     TokenText,
+    beam_search_params,
     build_sampling_params,
     check_token_ids,
     check_unsupported,
     chosen_and_top,
     final_request_outputs,
     finish_error,
+    gather_or_cancel,
     json_logprob,
     merge_streams,
     resolve_max_tokens,
@@ -78,10 +80,15 @@ class OpenAIServingCompletion(OpenAIServing):
         self, request: CompletionRequest
     ) -> CompletionResponse | AsyncIterator[str]:
         check_unsupported(request)
+        self.check_priority(request)
         if request.suffix:
             raise bad_request("suffix is not supported by this server.", param="suffix")
-        if request.best_of is not None and request.best_of != request.n:
-            raise bad_request("best_of must be unset or equal to n.", param="best_of")
+        if request.use_beam_search and request.stream:
+            raise bad_request("Streaming is not currently supported with beam search.",
+                              param="stream")
+        if request.use_beam_search and request.echo and request.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported with use_beam_search.",
+                              param="echo")
         if request.stream and request.prompt_logprobs is not None:
             # As vLLM: a streamed answer has no place for them.
             raise bad_request("prompt_logprobs are not available when stream is true.",
@@ -102,12 +109,18 @@ class OpenAIServingCompletion(OpenAIServing):
         if self.engine.is_dead:
             raise engine_unavailable()
         request_id = random_id("cmpl")
-        streams = [
-            self.engine.generate(f"{request_id}-{i}", text, ids, p, lora)
-            for i, ((text, ids), p) in enumerate(zip(prompts, params, strict=True))
-        ]
         model_name = request.model or self.models.base_model_name
         token_text = TokenText(self.tokenizer.hf, bool(request.return_tokens_as_token_ids))
+        if request.use_beam_search:
+            return await self._beam_search(request, request_id, model_name, prompts, lora,
+                                           [p.max_tokens for p in params], token_text)
+        await self.add_bad_words(params[0])
+        for p in params[1:]:
+            p.bad_words_token_ids = params[0].bad_words_token_ids
+        streams = [
+            self.engine.generate(f"{request_id}-{i}", text, ids, p, lora, request.priority)
+            for i, ((text, ids), p) in enumerate(zip(prompts, params, strict=True))
+        ]
         if request.stream:
             return sse_events(
                 self._stream(request, request_id, model_name, prompts, streams, token_text)
@@ -155,6 +168,41 @@ class OpenAIServingCompletion(OpenAIServing):
             choices=choices,
             usage=UsageInfo.of(prompt_tokens, completion_tokens),
         )
+
+    async def _beam_search(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        model_name: str,
+        prompts: list[tuple[str | None, list[int]]],
+        lora: Any,
+        max_tokens: list[int],
+        token_text: TokenText,
+    ) -> CompletionResponse:
+        """Each prompt's best n beams as its n choices, best first."""
+        searches = [
+            self.beam_search(f"{request_id}-{i}", ids,
+                             beam_search_params(request, limit, request.logprobs), lora,
+                             request.priority)
+            for i, ((_, ids), limit) in enumerate(zip(prompts, max_tokens, strict=True))
+        ]
+        choices = []
+        completion_tokens = 0
+        for i, beams in enumerate(await gather_or_cancel(searches)):
+            prefix = (prompts[i][0] or "") if request.echo else ""
+            for j, beam in enumerate(beams):
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = _logprobs(beam.token_ids, beam.logprobs, request.logprobs,
+                                         token_text, len(prefix))
+                choices.append(CompletionChoice(
+                    index=i * request.n + j, text=prefix + beam.text, logprobs=logprobs,
+                    finish_reason=beam.finish_reason, stop_reason=beam.stop_reason,
+                ))
+                completion_tokens += len(beam.token_ids)
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        return CompletionResponse(id=request_id, model=model_name, choices=choices,
+                                  usage=UsageInfo.of(prompt_tokens, completion_tokens))
 
     async def _stream(
         self,

@@ -1,12 +1,18 @@
 """Turns the last-position logits of each sequence into its next token.
 
-Order as in vLLM: raw logprobs, penalties, min_tokens masking, then greedy rows
-take the argmax and the others go through temperature, top-k, top-p and min-p
-before a draw. Everything is batched tensor work on the logits' device; the only
-host synchronisation is reading back the sampled ids (and logprobs if asked),
-which `SampledBatch.to_host` may put off until after the next step is launched.
-A request with a seed draws from its own generator, so its tokens do not depend
-on what else is in the batch.
+Order as in vLLM: raw logprobs, the per-request logit controls (allowed_token_ids,
+bad_words, logit_bias), penalties, min_tokens masking, then greedy rows take the
+argmax and the others go through temperature, top-k, top-p and min-p before a
+draw. Everything is batched tensor work on the logits' device; the only host
+synchronisation is reading back the sampled ids (and logprobs if asked), which
+`SampledBatch.to_host` may put off until after the next step is launched. A
+request with a seed draws from its own generator, so its tokens do not depend on
+what else is in the batch.
+
+The logit controls touch only the rows of the requests that ask for them: those
+rows are gathered (in fp32), changed, and put back (or, in an all-greedy batch of
+half-precision logits, argmaxed on their own), so the other rows of the batch cost
+nothing more.
 """
 
 from __future__ import annotations
@@ -107,10 +113,23 @@ class Sampler:
             # Greedy rows alone need only the argmax, the same in the model's dtype.
             logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+        controlled = _controlled_rows(logits, rows)
+        if controlled is not None and logits.dtype == torch.float32:
+            index, changed, _ = controlled
+            # In place: the logits are this step's own (a fresh tensor, or the graph's
+            # output, which the next replay overwrites only after this step).
+            logits.index_put_((index,), changed)
+            controlled = None
         logits = _apply_penalties(logits, rows)
         logits = _mask_stop_tokens(logits, rows)
 
         greedy_ids = self._argmax(logits)
+        if controlled is not None:
+            # All greedy, in half precision: the controlled rows take their own
+            # argmax, from their fp32 logits.
+            index, changed, controlled_rows = controlled
+            greedy_ids.index_put_((index,), self._argmax(
+                _mask_stop_tokens(changed, controlled_rows)))
         if all_greedy:
             token_ids = greedy_ids
         else:
@@ -134,7 +153,7 @@ class Sampler:
         rows that ask for no logprobs, no penalties and no min_tokens masking."""
         return all(
             r.params.greedy and r.params.logprobs is None and not r.params.uses_penalties
-            and not _stop_ids_masked(r)
+            and not r.params.has_logit_controls and not _stop_ids_masked(r)
             for r in rows
         )
 
@@ -173,6 +192,81 @@ class Sampler:
             if row.generator is not None:
                 q[i].exponential_(generator=row.generator)
         return (probs / q).argmax(dim=-1)
+
+
+def _device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on the device without waiting for the device: through pinned
+    memory, as a copy from pageable memory may wait for the work already queued."""
+    pinned = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=True)
+
+
+def _controlled_rows(
+    logits: torch.Tensor, rows: list[SamplingRow]
+) -> tuple[torch.Tensor, torch.Tensor, list[SamplingRow]] | None:
+    """The rows whose requests ask for logit controls: their indices in the batch
+    (on the device), their logits in fp32 with allowed_token_ids, bad_words and
+    logit_bias applied (in vLLM's order), and their SamplingRows. None when no row
+    asks, the common case, which costs nothing."""
+    picked = [i for i, r in enumerate(rows) if r.params.has_logit_controls]
+    if not picked:
+        return None
+    dev = logits.device
+    index = _device_tensor(picked, torch.long, dev)
+    sub_rows = [rows[i] for i in picked]
+    sub = logits[index].float()  # a copy: the batch's logits are untouched here
+    vocab = sub.shape[-1]
+
+    allowed = [(j, r.params.allowed_token_ids) for j, r in enumerate(sub_rows)
+               if r.params.allowed_token_ids is not None]
+    if allowed:
+        width = max(len(ids) for _, ids in allowed)
+        # Pad each row's ids with its own first id: scattering it twice is harmless.
+        padded = [ids + [ids[0]] * (width - len(ids)) for _, ids in allowed]
+        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=dev)
+        keep.scatter_(1, _device_tensor(padded, torch.long, dev), True)
+        which = _device_tensor([j for j, _ in allowed], torch.long, dev)
+        sub[which] = sub[which].masked_fill(~keep, float("-inf"))
+
+    banned_rows, banned_ids = [], []
+    for j, row in enumerate(sub_rows):
+        for token_id in _banned_by_bad_words(row):
+            banned_rows.append(j)
+            banned_ids.append(token_id)
+    if banned_rows:
+        sub.index_put_((_device_tensor(banned_rows, torch.long, dev),
+                        _device_tensor(banned_ids, torch.long, dev)),
+                       torch.full((len(banned_rows),), float("-inf"), device=dev))
+
+    bias_rows, bias_ids, biases = [], [], []
+    for j, row in enumerate(sub_rows):
+        for token_id, bias in (row.params.logit_bias or {}).items():
+            bias_rows.append(j)
+            bias_ids.append(token_id)
+            biases.append(bias)
+    if bias_rows:
+        sub.index_put_((_device_tensor(bias_rows, torch.long, dev),
+                        _device_tensor(bias_ids, torch.long, dev)),
+                       _device_tensor(biases, torch.float32, dev), accumulate=True)
+    return index, sub, sub_rows
+
+
+def _banned_by_bad_words(row: SamplingRow) -> list[int]:
+    """The token ids a request's bad words forbid now: the last token of every bad
+    word whose other tokens were just generated (a one-token word, always). Only
+    the generated tokens count, not the prompt, as in vLLM. A request with a longer
+    word has its last token on the host here: the engine waits for it
+    (SamplingParams.reads_output_tokens)."""
+    words = row.params.bad_words_token_ids
+    if not words:
+        return []
+    output = row.output_token_ids
+    banned = []
+    for word in words:
+        prefix = len(word) - 1
+        if prefix == 0 or (prefix <= len(output) and output[len(output) - prefix:] == word[:-1]):
+            banned.append(word[-1])
+    return banned
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
