@@ -84,7 +84,7 @@ def run_one(args: argparse.Namespace, replicas: int, model_argv: list[str], url:
             jobs: list[tuple[str, str]]) -> RunResult:
     from ray import serve
 
-    from loraserve.cli import build_parser, build_server_settings, ray_options, validate_args
+    from loraserve.cli_args import build_parser, build_server_settings, ray_options, validate_args
     from loraserve.ray.app import APP_NAME, build_application
 
     parsed = build_parser().parse_args([

@@ -2,8 +2,7 @@
 
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams
-
-__version__ = "0.1.0"
+from loraserve.version import __version__
 
 
 def __getattr__(name: str):

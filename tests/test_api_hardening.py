@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from serve_utils import ServerProcess, alive, unix_socket_paths, wait_until
 
-from loraserve.engine.core_client import IPC_DIR_PREFIX, remove_stale_ipc_dirs
+from loraserve.entrypoints.core_client import IPC_DIR_PREFIX, remove_stale_ipc_dirs
 from loraserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from loraserve.entrypoints.request_tokenizer import RequestTokenizer
 from loraserve.entrypoints.serving_chat import OpenAIServingChat
@@ -626,7 +626,7 @@ def test_a_later_start_removes_socket_dirs_of_dead_processes(tmp_path):
 
 
 def test_help_names_the_builtin_models_and_the_new_flags(capsys):
-    from loraserve.cli import build_parser
+    from loraserve.cli_args import build_parser
     from loraserve.model.builtin import BUILTIN_MODELS
 
     with pytest.raises(SystemExit):

@@ -62,7 +62,7 @@ def test_hard_linked_adapters_load_with_peft(llama_dir, tmp_path):
 def test_registration_files(llama_dir, tmp_path):
     """lora_modules.txt holds the words of --lora-modules; lora_modules.json is
     a `loraserve serve --config` file that registers every adapter."""
-    from loraserve.cli import _command_parsers, build_parser
+    from loraserve.cli_args import build_parser, command_parsers
     from loraserve.cli_compat import expand_config_file
 
     summary = setup(tmp_path, llama_dir, "--num-adapters", "3", "--distinct", "1",
@@ -74,7 +74,7 @@ def test_registration_files(llama_dir, tmp_path):
 
     parser = build_parser()
     argv = expand_config_file(["serve", llama_dir, "--enable-lora", "--config",
-                               summary["config"]], _command_parsers(parser)["serve"])
+                               summary["config"]], command_parsers(parser)["serve"])
     args, unknown = parser.parse_known_args(argv)
     assert not unknown
     assert [(m.name, m.path) for m in args.lora_modules] == expected

@@ -13,18 +13,18 @@ import time
 import pytest
 from serve_utils import descendants, free_port, serve_command
 
-from loraserve.cli import (
+from loraserve.cli import main
+from loraserve.cli_args import (
     build_parser,
     engine_kwargs_from_args,
-    main,
     parse_lora_module,
     validate_serve_args,
 )
 from loraserve.config import SUPPORTED_LORA_RANKS, EngineArgs
+from loraserve.entrypoints.ray_options import RayOptions
 from loraserve.entrypoints.server_args import ServerArgs
 from loraserve.options import flag as flag_of
 from loraserve.options import lora_only, options
-from loraserve.ray.options import RayOptions
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -8,7 +8,7 @@ import importlib.util
 import re
 from pathlib import Path
 
-from loraserve.cli import build_parser
+from loraserve.cli_args import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DOC = ROOT / "docs" / "configuration.md"

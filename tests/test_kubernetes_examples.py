@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loraserve.cli import build_parser
+from loraserve.cli_args import build_parser
 from loraserve.config import CacheConfig
 from loraserve.metrics import ServerMetrics, cache_config_labels
 

@@ -21,7 +21,7 @@ from serve_utils import ServerProcess, free_port, wait_until
 
 pytest.importorskip("ray.serve")
 
-from loraserve.cli import build_parser, build_server_settings, ray_options, validate_args  # noqa: E402
+from loraserve.cli_args import build_parser, build_server_settings, ray_options, validate_args  # noqa: E402
 
 ADAPTERS = ("r8", "r16_qv", "r1", "r8_mlp")
 REPLICA = "x-loraserve-replica"
@@ -243,7 +243,7 @@ def test_a_killed_replica_loses_no_retried_request(cluster):
 
 
 def test_serve_ray_flags_are_checked(tmp_path):
-    from loraserve.cli import CLIError
+    from loraserve.cli_args import CLIError
 
     def check(*argv: str) -> None:
         validate_args(build_parser().parse_args(["serve-ray", "m", *argv]))

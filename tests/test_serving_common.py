@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from loraserve.engine.core_client import EngineDeadError
 from loraserve.engine.output_processor import CompletionOutput, RequestOutput
+from loraserve.entrypoints.core_client import EngineDeadError
 from loraserve.entrypoints.errors import APIError, bad_request
 from loraserve.entrypoints.serving_common import SSE_DONE, final_outputs, sse_events
 

@@ -39,6 +39,7 @@ from loraserve.engine.utility import (
     UtilityResult,
     encode,
 )
+from loraserve.log import configure_logging
 from loraserve.lora.request import LoRARequest
 
 if TYPE_CHECKING:
@@ -283,6 +284,7 @@ def run_engine_core(
     from loraserve.worker.process import configure_torch_threads, die_with_parent
 
     die_with_parent()
+    configure_logging()
     _use_thread_locks_for_progress_bars()
     # Before any torch work: the inter-op pool can only be sized before it starts.
     configure_torch_threads(share_with_frontend=True)

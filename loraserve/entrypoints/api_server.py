@@ -27,9 +27,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import loraserve
 from loraserve import envs
-from loraserve.engine.core_client import AsyncEngineClient, EngineDeadError
+from loraserve.entrypoints.core_client import AsyncEngineClient, EngineDeadError
 from loraserve.entrypoints.errors import APIError, bad_request, engine_unavailable
 from loraserve.entrypoints.json_body import StrictJSONRoute
 from loraserve.entrypoints.middleware import (
@@ -61,6 +60,7 @@ from loraserve.entrypoints.shutdown import (
 )
 from loraserve.lora.resolver import load_resolvers
 from loraserve.metrics import CONTENT_TYPE, ServerMetrics, cache_config_labels
+from loraserve.version import __version__
 
 if TYPE_CHECKING:
     from loraserve.config import EngineConfig
@@ -155,7 +155,7 @@ def build_app(state: ServerState) -> FastAPI:
         # Inside uvicorn's shutdown, before it re-raises the signal it caught.
         await state.engine.shutdown()
 
-    app = FastAPI(title="loraserve", version=loraserve.__version__, lifespan=lifespan)
+    app = FastAPI(title="loraserve", version=__version__, lifespan=lifespan)
     app.router.route_class = StrictJSONRoute
     app.state.server = state
     # The last added runs first: the key is checked before any body byte is read.
@@ -211,7 +211,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": loraserve.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -56,7 +56,7 @@ from loraserve.entrypoints.serving_common import (
 )
 
 if TYPE_CHECKING:
-    from loraserve.engine.core_client import AsyncEngineClient
+    from loraserve.entrypoints.core_client import AsyncEngineClient
     from loraserve.entrypoints.request_tokenizer import RequestTokenizer
     from loraserve.entrypoints.serving_models import ServingModels
 

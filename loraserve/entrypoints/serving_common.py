@@ -14,15 +14,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loraserve.engine.core_client import EngineDeadError
 from loraserve.entrypoints.beam_search import Beam, BeamSearchParams, beam_search
+from loraserve.entrypoints.core_client import EngineDeadError
 from loraserve.entrypoints.errors import APIError, bad_request, engine_unavailable
 from loraserve.entrypoints.protocol import SamplingFields
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams, tokenize_bad_words
 
 if TYPE_CHECKING:
-    from loraserve.engine.core_client import AsyncEngineClient
+    from loraserve.entrypoints.core_client import AsyncEngineClient
     from loraserve.entrypoints.request_tokenizer import RequestTokenizer
     from loraserve.entrypoints.serving_models import ServingModels
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from loraserve.engine.core_client import AsyncEngineClient, EngineDeadError, EngineUtilityError
+from loraserve.entrypoints.core_client import AsyncEngineClient, EngineDeadError, EngineUtilityError
 from loraserve.entrypoints.errors import (
     APIError,
     bad_request,

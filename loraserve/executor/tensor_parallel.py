@@ -44,6 +44,7 @@ from loraserve.distributed.parallel_state import (
     init_tensor_parallel,
 )
 from loraserve.executor.base import Executor, check_method
+from loraserve.log import configure_logging
 from loraserve.worker.input_batch import StepInput, StepOutput
 from loraserve.worker.model_runner import ModelRunner
 
@@ -210,6 +211,7 @@ def _rank_main(config: EngineConfig, rank: int, init_method: str) -> None:
     from loraserve.worker.process import configure_torch_threads, die_with_parent
 
     die_with_parent()
+    configure_logging()
     configure_torch_threads(share_with_frontend=False)
     world = config.parallel_config.tensor_parallel_size
     tp = init_tensor_parallel(rank, world, init_method, rank_device(config, rank))

@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from loraserve.lora.errors import LoRAError, rank_too_large
-
-if TYPE_CHECKING:  # peft_adapter imports this module
-    from loraserve.lora.peft_adapter import PeftConfig
+from loraserve.lora.peft_config import PeftConfig
 
 _FUSED_RE = re.compile(r"^(?P<experts>.+\.experts)(?:\.base_layer)*$")
 _PER_EXPERT_RE = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")

@@ -11,7 +11,7 @@ __all__ = ["RayOptions", "app_builder", "build_application", "run_application"]
 
 
 def __getattr__(name: str) -> Any:
-    # Imported on first use, so that loraserve.ray.options (the `serve-ray` flags,
+    # Imported on first use, so that loraserve.entrypoints.ray_options (the `serve-ray` flags,
     # which `loraserve --help` lists) imports without Ray.
     if name in __all__:
         from loraserve.ray import app

@@ -24,9 +24,9 @@ from ray import serve
 
 from loraserve import envs
 from loraserve.entrypoints.api_server import ServerSettings
+from loraserve.entrypoints.ray_options import RayOptions
 from loraserve.lora.request import LoRARequest
 from loraserve.ray.ingress import Ingress, ReplicaApp
-from loraserve.ray.options import RayOptions
 from loraserve.ray.registry import AdapterRegistry
 from loraserve.ray.replica import EngineReplica
 
@@ -106,7 +106,7 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     """For `serve run` and Ray Serve config files: `argv` holds the `serve-ray`
     arguments (a list, or one string split as a shell would). The host and port
     come from Ray Serve's own http_options there."""
-    from loraserve.cli import build_parser, build_server_settings, ray_options, validate_args
+    from loraserve.cli_args import build_parser, build_server_settings, ray_options, validate_args
 
     argv = args.get("argv", [])
     argv = shlex.split(argv) if isinstance(argv, str) else [str(a) for a in argv]

@@ -22,7 +22,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 from ray.exceptions import RayError, RayTaskError
 
-from loraserve.engine.core_client import EngineDeadError, EngineUtilityError
 from loraserve.engine.protocol import SchedulerStats
 from loraserve.entrypoints.api_server import (
     ServerSettings,
@@ -30,6 +29,7 @@ from loraserve.entrypoints.api_server import (
     build_app,
     http_settings,
 )
+from loraserve.entrypoints.core_client import EngineDeadError, EngineUtilityError
 from loraserve.entrypoints.errors import APIError, engine_unavailable
 from loraserve.entrypoints.serving_common import SSE_DONE, sse_error
 from loraserve.entrypoints.serving_models import ServingModels

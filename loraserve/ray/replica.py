@@ -25,13 +25,13 @@ from pydantic import BaseModel
 from ray import serve
 
 from loraserve import envs
-from loraserve.engine.core_client import AsyncEngineClient, EngineDeadError, EngineUtilityError
 from loraserve.entrypoints.api_server import (
     ServerSettings,
     build_server_state,
     record_engine_ready,
     server_metrics,
 )
+from loraserve.entrypoints.core_client import AsyncEngineClient, EngineDeadError, EngineUtilityError
 from loraserve.entrypoints.errors import APIError, engine_unavailable, not_found
 from loraserve.entrypoints.request_tokenizer import RequestTokenizer
 from loraserve.entrypoints.serving_models import ServingModels, load_error
