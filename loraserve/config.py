@@ -12,6 +12,9 @@ from loraserve.options import OptionError, is_set, lora_only, option, positive_i
 
 # The orders the scheduler can start waiting requests in (engine/scheduler.py).
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# How new adapters get device slots when adapters outnumber them
+# (engine/lora_admission.py).
+LORA_SCHEDULING_POLICIES = ("fcfs", "slot-aware")
 SUPPORTED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _DTYPES = {
     "float32": torch.float32,
@@ -84,6 +87,9 @@ class LoRAConfig:
     # Under tensor parallelism, also split A of column-parallel layers and B of
     # row-parallel ones (see loraserve/lora/parallel_layers.py).
     fully_sharded_loras: bool = False
+    # Which new adapters take free device slots (engine/lora_admission.py).
+    scheduling: str = "slot-aware"
+    max_wait_steps: int = 32
 
 
 @dataclass
@@ -209,6 +215,18 @@ class EngineArgs:
         False, help="With --tensor-parallel-size > 1, also shard A of column-parallel layers "
         "and B of row-parallel ones, gathering the small rank dimension instead "
         "(default: A replicated for column-parallel layers, B for row-parallel ones).")
+    lora_scheduling: str = _lora(
+        "slot-aware", choices=list(LORA_SCHEDULING_POLICIES),
+        help="Which waiting requests' adapters take the device slots that come free when "
+        "adapters outnumber --max-loras: fcfs (vLLM's rule: in queue order, and an adapter "
+        "keeps its slot while any of its requests runs) or slot-aware (default: adapters "
+        "already in a slot first, and once a request has waited --max-lora-wait-steps "
+        "steps for a slot, a running adapter stops taking new requests so that its slot "
+        "comes free for it).")
+    max_lora_wait_steps: int = _lora(
+        32, type=positive_int,
+        help="slot-aware: steps a request may be passed over for lack of a device slot "
+        "before a running adapter is drained for it (default: 32).")
 
     # Not flags: for tests and benchmarks.
     num_kv_blocks: int | None = None  # None: sized from memory at start-up
@@ -258,6 +276,10 @@ class EngineArgs:
                               value=self.max_lora_rank, ranks=list(SUPPORTED_LORA_RANKS))
         if self.max_loras < 1:
             raise OptionError("{max_loras} must be >= 1, got {value}", value=self.max_loras)
+        if self.lora_scheduling not in LORA_SCHEDULING_POLICIES:
+            raise OptionError("{lora_scheduling} must be one of {policies}, not {value!r}",
+                              policies=", ".join(LORA_SCHEDULING_POLICIES),
+                              value=self.lora_scheduling)
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise OptionError("{max_cpu_loras} ({value}) must be at least {max_loras} ({limit})",
                               value=self.max_cpu_loras, limit=self.max_loras)
@@ -338,6 +360,8 @@ class EngineArgs:
             lora_dtype=model_dtype if self.lora_dtype == "auto" else parse_dtype(self.lora_dtype),
             target_modules=list(self.lora_target_modules) if self.lora_target_modules else None,
             fully_sharded_loras=self.fully_sharded_loras,
+            scheduling=self.lora_scheduling,
+            max_wait_steps=self.max_lora_wait_steps,
         )
 
 

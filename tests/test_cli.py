@@ -450,7 +450,8 @@ def test_lora_ranks_and_the_lora_only_flags_are_the_configs():
     assert tuple(actions["max_lora_rank"].choices) == SUPPORTED_LORA_RANKS
     assert {flag_of(f.name) for cls in _option_classes("serve") for f in lora_only(cls)} == {
         "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--lora-dtype",
-        "--lora-resolvers", "--lora-target-modules", "--fully-sharded-loras"}
+        "--lora-resolvers", "--lora-target-modules", "--fully-sharded-loras",
+        "--lora-scheduling", "--max-lora-wait-steps"}
 
 
 def _sample_words(action: argparse.Action) -> list[str]:

@@ -65,8 +65,10 @@ class EngineCore:
         self._finished_adds: list[tuple[LoRARequest, LoRAError | None]] = []
         self.kv = KVBlockManager(self.executor.num_kv_blocks, config.cache_config.block_size,
                                  config.cache_config.enable_prefix_caching)
-        max_loras = config.lora_config.max_loras if config.lora_config else None
-        self.scheduler = Scheduler(config.scheduler_config, self.kv, max_loras)
+        lc = config.lora_config
+        self.scheduler = Scheduler(
+            config.scheduler_config, self.kv, lc.max_loras if lc else None,
+            lc.scheduling if lc else "fcfs", lc.max_wait_steps if lc else 0)
         self.step_loras = StepLoRACounter()
         self.requests: dict[str, Request] = {}
         # Outputs produced outside a model step (failed adapter loads, aborts).
@@ -80,10 +82,10 @@ class EngineCore:
             sc.max_model_len, sc.max_num_seqs, sc.max_num_batched_tokens, self.kv.capacity_tokens,
             "async" if config.async_scheduling else "lockstep",
         )
-        lc = config.lora_config
         if lc is not None:
-            logger.info("LoRA: max_loras %d device slots, max_cpu_loras %d, max_lora_rank %d",
-                        lc.max_loras, lc.max_cpu_loras, lc.max_lora_rank)
+            logger.info("LoRA: max_loras %d device slots, max_cpu_loras %d, max_lora_rank %d, "
+                        "%s scheduling", lc.max_loras, lc.max_cpu_loras, lc.max_lora_rank,
+                        lc.scheduling)
 
     @property
     def lora_enabled(self) -> bool:
@@ -266,7 +268,8 @@ class EngineCore:
             }
             slot_holders = adapters.residency.pinned_slots
             outputs += self._fail_slotless(slot_holders)
-        sched = self.scheduler.schedule(ready, slot_holders)
+        sched = self.scheduler.schedule(ready, slot_holders,
+                                        adapters.residency.slots if adapters else frozenset())
         if sched.loras_to_load:
             adapters.start_loads(sched.loras_to_load)
         launched = self._launch_isolating(sched.scheduled, outputs) if sched.scheduled else None

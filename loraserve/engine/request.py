@@ -51,6 +51,9 @@ class Request:
     # scheduler first gave it a place in a step (this process's monotonic clock).
     queued_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None
+    # Steps this request waited with its adapter ready but no place for it among
+    # the max_loras running adapters (engine/lora_admission.py).
+    slot_waits: int = 0
 
     @classmethod
     def from_engine_request(cls, req: EngineCoreRequest) -> Request:
@@ -73,6 +76,13 @@ class Request:
         if len(self.output_token_ids) != 1 or self.scheduled_time is None:
             return None
         return RequestTimes(self.queued_time, self.scheduled_time)
+
+    def max_tokens_left(self, max_model_len: int) -> int:
+        """The most tokens this request may still generate."""
+        limit = max_model_len - len(self.prompt_token_ids)
+        if self.sampling_params.max_tokens is not None:
+            limit = min(limit, self.sampling_params.max_tokens)
+        return max(0, limit - len(self.output_token_ids) - self.num_pending)
 
     @property
     def num_tokens(self) -> int:

@@ -15,10 +15,12 @@ the rest like any chunk of a chunked prefill.
 
 The max_loras rule: the adapters of all running requests count, scheduled this
 step or not, and so do the pinned adapters that hold a device slot (they never
-give it up). A waiting request whose adapter is new is skipped when that set is
-full; so is one whose adapter is still loading. A skipped request keeps its place
-at the front of the queue. (When pinned adapters hold every slot, a request for
-another adapter could never go: the engine fails it before it gets here.)
+give it up). Which new adapters may take the places left is the LoRA scheduling
+policy's choice (lora_admission.py: vLLM's fcfs, or slot-aware, which bounds how
+long a request is passed over). A waiting request whose adapter may not join is
+skipped; so is one whose adapter is still loading. A skipped request keeps its
+place at the front of the queue. (When pinned adapters hold every slot, a request
+for another adapter could never go: the engine fails it before it gets here.)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 
 from loraserve.config import SchedulerConfig
 from loraserve.engine.kv_blocks import KVBlockManager
+from loraserve.engine.lora_admission import LoRAAdmission
 from loraserve.engine.request import Request, RequestStatus
 from loraserve.engine.request_queue import make_queue
 from loraserve.lora.request import LoRARequest
@@ -48,11 +51,16 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVBlockManager, max_loras: int | None
+        self, config: SchedulerConfig, kv: KVBlockManager, max_loras: int | None,
+        lora_policy: str = "fcfs", max_lora_wait_steps: int = 32,
     ) -> None:
         self.config = config
         self.kv = kv
         self.max_loras = max_loras
+        # Which adapters waiting requests may bring in (None: LoRA is off).
+        self.admission = (LoRAAdmission(max_loras, lora_policy, max_lora_wait_steps,
+                                        config.max_model_len)
+                          if max_loras is not None else None)
         self.policy = config.policy
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []
@@ -78,15 +86,21 @@ class Scheduler:
         return {r.lora_name for r in self.waiting if r.lora_name is not None}
 
     def schedule(self, ready_loras: set[str] | frozenset = frozenset(),
-                 slot_holders: set[str] | frozenset = frozenset()) -> SchedulerOutput:
-        """`slot_holders`: adapters that keep a device slot whether they run or not
-        (pinned ones)."""
+                 slot_holders: set[str] | frozenset = frozenset(),
+                 slot_resident: set[str] | frozenset = frozenset()) -> SchedulerOutput:
+        """`ready_loras`: adapters usable without a disk read; `slot_holders`:
+        adapters that keep a device slot whether they run or not (pinned ones);
+        `slot_resident`: adapters in a device slot now."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self._schedule_running(out, budget)
         budget -= out.num_tokens
         if not out.preempted:
-            self._schedule_waiting(out, budget, ready_loras, slot_holders)
+            allowed = None
+            if self.admission is not None:
+                allowed = self.admission.plan(self.waiting, self.running, set(ready_loras),
+                                              slot_holders, slot_resident).allowed
+            self._schedule_waiting(out, budget, ready_loras, allowed)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
@@ -126,9 +140,9 @@ class Scheduler:
 
     def _schedule_waiting(
         self, out: SchedulerOutput, budget: int, ready_loras: set[str] | frozenset,
-        slot_holders: set[str] | frozenset,
+        allowed_loras: set[str] | None,
     ) -> None:
-        loras = self.running_loras() | set(slot_holders)
+        """`allowed_loras`: the adapters whose requests may join (None: LoRA off)."""
         skipped: list[Request] = []
         to_load: dict[str, LoRARequest] = {}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -143,11 +157,8 @@ class Scheduler:
                     to_load.setdefault(name, req.lora_request)
                     skipped.append(req)
                     continue
-                if (
-                    self.max_loras is not None
-                    and name not in loras
-                    and len(loras) >= self.max_loras
-                ):
+                if allowed_loras is not None and name not in allowed_loras:
+                    LoRAAdmission.passed_over(req)
                     skipped.append(req)
                     continue
             # A new or preempted request holds no blocks: it starts from the longest
@@ -166,8 +177,6 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
-            if name is not None:
-                loras.add(name)
         # Requests that could not go this step keep their places at the front.
         self.waiting.put_back(skipped)
         out.loras_to_load = list(to_load.values())
