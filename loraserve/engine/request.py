@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,6 +12,9 @@ from loraserve.engine.protocol import EngineCoreRequest, FinishReason
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams
 from loraserve.worker.input_batch import PENDING_TOKEN
+
+if TYPE_CHECKING:
+    from loraserve.structured_output.manager import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -45,6 +49,8 @@ class Request:
     # Prompt logprobs: the prompt positions whose logprobs are already on their way
     # (a recomputation after preemption does not send them again).
     num_prompt_logprobs_sent: int = 0
+    # Structured outputs: the request's grammar (compile, then matcher), if any.
+    grammar: RequestGrammar | None = None
 
     @classmethod
     def from_engine_request(cls, req: EngineCoreRequest) -> Request:
@@ -60,6 +66,11 @@ class Request:
     @property
     def lora_name(self) -> str | None:
         return self.lora_request.lora_name if self.lora_request is not None else None
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """Its grammar is still compiling: it cannot be scheduled yet."""
+        return self.grammar is not None and not self.grammar.ready
 
     @property
     def num_tokens(self) -> int:

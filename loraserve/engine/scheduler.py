@@ -8,8 +8,9 @@ the rest like any chunk of a chunked prefill.
 The max_loras rule: the adapters of all running requests count, scheduled this
 step or not, and so do the pinned adapters that hold a device slot (they never
 give it up). A waiting request whose adapter is new is skipped when that set is
-full; so is one whose adapter is still loading. A skipped request keeps its place
-at the front of the queue. (When pinned adapters hold every slot, a request for
+full; so is one whose adapter is still loading, or whose grammar (structured
+outputs) is still compiling. A skipped request keeps its place at the front of the
+queue. (When pinned adapters hold every slot, a request for
 another adapter could never go: the engine fails it before it gets here.)
 """
 
@@ -103,8 +104,9 @@ class Scheduler:
         to_load: dict[str, LoRARequest] = {}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
-            if req.num_pending:
+            if req.num_pending or req.waiting_for_grammar:
                 # Preempted with a token in flight: it can restart once that is back.
+                # Or its grammar is still compiling (structured outputs).
                 skipped.append(req)
                 continue
             name = req.lora_name
