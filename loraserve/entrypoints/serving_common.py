@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any
 from loraserve.engine.core_client import EngineDeadError
 from loraserve.entrypoints.errors import APIError, bad_request, engine_unavailable
 from loraserve.entrypoints.protocol import SamplingFields
+from loraserve.entrypoints.structured_outputs import (
+    Constraint,
+    GrammarChecker,
+    request_constraint,
+)
 from loraserve.sampling_params import SamplingParams
+from loraserve.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from loraserve.engine.core_client import AsyncEngineClient
@@ -55,12 +61,18 @@ class OpenAIServing:
         tokenizer: RequestTokenizer,
         limits: ModelLimits,
         sampling_defaults: dict[str, Any] | None = None,
+        grammar_checker: GrammarChecker | None = None,
     ) -> None:
         self.sampling_defaults = sampling_defaults or {}
         self.engine = engine
         self.models = models
         self.tokenizer = tokenizer
         self.limits = limits
+        if grammar_checker is None:
+            from loraserve.config import StructuredOutputsConfig
+
+            grammar_checker = GrammarChecker(StructuredOutputsConfig())
+        self.grammar_checker = grammar_checker
 
     @property
     def max_model_len(self) -> int:
@@ -69,6 +81,20 @@ class OpenAIServing:
     def check_prompt(self, prompt: str | Sequence[int], param: str = "prompt",
                      room: int = 1) -> None:
         check_prompt_size(self.tokenizer, self.max_model_len, prompt, param, room)
+
+    async def structured_outputs(self, request: SamplingFields,
+                                 extra: Constraint | None = None
+                                 ) -> StructuredOutputsParams | None:
+        """The request's output constraint (None: none), checked to compile: a 400
+        naming the problem otherwise. `extra`: one the endpoint adds (tools)."""
+        config = self.grammar_checker.config
+        constraint = request_constraint(request, config.backend, extra)
+        if constraint is None:
+            return None
+        # Building a grammar takes time in proportion to the constraint.
+        await self.tokenizer.run(len(constraint.params.spec), self.grammar_checker.check,
+                                 constraint)
+        return constraint.params
 
 
 def check_prompt_size(
@@ -124,13 +150,7 @@ VLLM_FIELDS_NOT_SUPPORTED: dict[str, Any] = {
     "truncate_prompt_tokens": None,
     "spaces_between_special_tokens": True,
     "logits_processors": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
-    "guided_decoding_backend": None,
-    "guided_whitespace_pattern": None,
-    "structured_outputs": None,
+    "structural_tag": None,
     "priority": 0,
     "request_id": None,
     "return_token_ids": False,
@@ -176,9 +196,6 @@ def check_unsupported(request: SamplingFields) -> None:
     check_not_supported(request, VLLM_FIELDS_NOT_SUPPORTED)
     if request.logit_bias:
         raise bad_request("logit_bias is not supported by this server.", param="logit_bias")
-    if request.response_format and request.response_format.get("type", "text") != "text":
-        raise bad_request("Only response_format type 'text' is supported.",
-                          param="response_format")
     if request.n < 1:
         raise bad_request(f"n must be at least 1, got {request.n}.", param="n")
     if request.n > MAX_N:
@@ -266,6 +283,7 @@ def build_sampling_params(
     defaults: dict[str, Any] | None = None,
     prompt_logprobs: int | None = None,
     logprobs_field: str = "logprobs",
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """SamplingParams from an OpenAI request; invalid values become a 400.
 
@@ -304,6 +322,7 @@ def build_sampling_params(
         "prompt_logprobs": prompt_logprobs,
         "skip_special_tokens": request.skip_special_tokens,
         "include_stop_str_in_output": request.include_stop_str_in_output,
+        "structured_outputs": structured_outputs,
     }
     try:
         return SamplingParams(**fields)
