@@ -24,6 +24,9 @@ def summarize_sampling(params: SamplingParams) -> str:
              if getattr(params, name) != getattr(defaults, name)]
     if params.stop or params.stop_token_ids:
         parts.append(f"stops={len(params.stop or []) + len(params.stop_token_ids or [])}")
+    if params.structured_outputs is not None:
+        # Which kind only: a schema or grammar can be long, and say what the text is.
+        parts.append(f"structured_outputs={params.structured_outputs.kind}")
     return ", ".join(parts) or "defaults"
 
 

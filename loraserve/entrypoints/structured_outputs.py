@@ -71,6 +71,10 @@ def request_constraint(request: SamplingFields, backend: str,
         found.append((extra.param, {extra.params.kind: getattr(extra.params, extra.params.kind)}))
     if not found:
         return None
+    if len(found) > 1 and extra is not None:
+        raise bad_request("You can only either use constraints for structured outputs or "
+                          f"tools, not both: {found[0][0]} is set beside a tool_choice that "
+                          "calls a tool.", param="tool_choice")
     if len(found) > 1:
         names = " and ".join(name for name, _ in found)
         raise bad_request(f"A request takes one structured-output constraint; {names} are "
