@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -97,6 +98,94 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
 
 
+# Structured-output backends: "auto" is vLLM's default and means xgrammar here, the
+# one backend loraserve has.
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar")
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """vLLM's structured-outputs config (--structured-outputs-config): the backend
+    and the defaults every request's grammar gets."""
+
+    backend: str = "auto"
+    # No whitespace between JSON tokens, for every request.
+    disable_any_whitespace: bool = False
+    # Accepted for vLLM's configs: xgrammar never falls back to another backend, and
+    # already allows no property that a schema does not name.
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    # vLLM's reasoning-parser settings; loraserve has no reasoning parsers, so the
+    # grammar applies from the first generated token.
+    reasoning_parser: str = ""
+    enable_in_reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise OptionError(
+                "{structured_outputs_config}: backend {value!r} is not supported; loraserve's "
+                "structured outputs use xgrammar (backend 'xgrammar', or 'auto' for it)",
+                value=self.backend)
+        if self.reasoning_parser:
+            raise OptionError(
+                "{structured_outputs_config}: reasoning_parser {value!r} is not supported; "
+                "loraserve has no reasoning parsers", value=self.reasoning_parser)
+
+
+def structured_outputs_config(value: str | dict | StructuredOutputsConfig | None,
+                              backend: str | None = None) -> StructuredOutputsConfig:
+    """The config from vLLM's forms: JSON text or a dict (--structured-outputs-config),
+    or only a backend name (the older --guided-decoding-backend)."""
+    if isinstance(value, StructuredOutputsConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise OptionError("{structured_outputs_config} must be a JSON object: {error}",
+                              error=exc) from exc
+    if value is not None and not isinstance(value, dict):
+        raise OptionError("{structured_outputs_config} must be a JSON object, got {value!r}",
+                          value=value)
+    value = dict(value or {})
+    if backend is not None:
+        value.update(_backend_flag(backend))
+    kinds = {f.name: type(f.default) for f in fields(StructuredOutputsConfig)}
+    unknown = sorted(set(value) - set(kinds))
+    if unknown:
+        raise OptionError("{structured_outputs_config} has unknown keys {value}; known: "
+                          "{known}", value=unknown, known=sorted(kinds))
+    for key, item in value.items():
+        if not isinstance(item, kinds[key]):
+            raise OptionError("{structured_outputs_config}: {key} must be a {kind}, got {value!r}",
+                              key=key, kind=kinds[key].__name__, value=item)
+    return StructuredOutputsConfig(**value)
+
+
+# The options vLLM's older flag took after the backend name ("xgrammar:no-fallback").
+_BACKEND_FLAG_OPTIONS = {
+    "disable-any-whitespace": "disable_any_whitespace",
+    "no-fallback": "disable_fallback",
+    "disable-additional-properties": "disable_additional_properties",
+}
+
+
+def _backend_flag(text: str) -> dict[str, Any]:
+    """--guided-decoding-backend NAME[:OPTION,...] as config keys."""
+    name, _, options = text.partition(":")
+    if name.strip() not in STRUCTURED_OUTPUT_BACKENDS:
+        raise OptionError("{guided_decoding_backend} {value!r} is not supported; loraserve's "
+                          "structured outputs use xgrammar (xgrammar, or auto for it)",
+                          value=name.strip())
+    config: dict[str, Any] = {"backend": name.strip()}
+    for word in filter(None, (o.strip() for o in options.split(","))):
+        if word not in _BACKEND_FLAG_OPTIONS:
+            raise OptionError("{guided_decoding_backend}: unknown option {value!r}; known: "
+                              "{known}", value=word, known=sorted(_BACKEND_FLAG_OPTIONS))
+        config[_BACKEND_FLAG_OPTIONS[word]] = True
+    return config
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -114,6 +203,8 @@ class EngineConfig:
     # work overlaps the device (see engine/engine_core.py).
     async_scheduling: bool = True
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -199,6 +290,14 @@ class EngineArgs:
     load_format: str = _engine(
         "auto", choices=["auto", "dummy"],
         help="dummy: random weights from the model's config, for benchmarks.")
+    structured_outputs_config: str | dict | StructuredOutputsConfig | None = _engine(
+        metavar="JSON", exclusive="structured_outputs",
+        help="Structured outputs (response_format, structured_outputs, guided_*), as vLLM's "
+        'JSON: {"backend": "xgrammar", "disable_any_whitespace": false}. The backend is '
+        "xgrammar ('auto' means xgrammar; others are refused).")
+    guided_decoding_backend: str | None = _engine(
+        metavar="NAME", exclusive="structured_outputs",
+        help="vLLM's older flag for the structured-output backend: xgrammar or auto.")
 
     enable_lora: bool = option(False, group="LoRA", help="Serve LoRA adapters.")
     max_loras: int = _lora(1, type=positive_int,
@@ -258,6 +357,13 @@ class EngineArgs:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise OptionError("{tensor_parallel_size} must be a positive integer, got {value!r}",
                               value=size)
+        if self.guided_decoding_backend is not None and self.structured_outputs_config is not None:
+            raise OptionError("{guided_decoding_backend} and {structured_outputs_config} both "
+                              "set the backend: give one")
+        # Folded into one config, which the engine and the API server both read.
+        self.structured_outputs_config = structured_outputs_config(
+            self.structured_outputs_config, self.guided_decoding_backend)
+        self.guided_decoding_backend = None
         self._check_lora()
 
     def _check_lora(self) -> None:
@@ -336,6 +442,7 @@ class EngineArgs:
             cudagraph_mode=self.cudagraph_mode,
             async_scheduling=self.async_scheduling,
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            structured_outputs_config=self.structured_outputs_config,
         )
 
     def _resolve_paths(self) -> tuple[str, str]:

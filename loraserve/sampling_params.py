@@ -8,6 +8,8 @@ from typing import Any
 
 import msgspec
 
+from loraserve.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 # OpenAI's range for a logit bias; larger values are clamped to it, as vLLM does.
 MAX_LOGIT_BIAS = 100.0
@@ -43,6 +45,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # bad_words_token_ids (see tokenize_bad_words), which is what the sampler reads.
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # Constrain the output to a JSON schema, a regex, choices or a grammar.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -14,11 +14,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "loraserve"
 
 # Lowest first. A module may import from its own layer or those below it.
 LAYERS = [
-    {"loraserve.envs", "loraserve.options", "loraserve.version", "loraserve.log",
-     "loraserve.sampling_params"},
+    {"loraserve.envs", "loraserve.options", "loraserve.version", "loraserve.log"},
     {"loraserve.distributed", "loraserve.kernels"},
     {"loraserve.model"},
     {"loraserve.config"},
+    {"loraserve.structured_output"},
+    {"loraserve.sampling_params"},
     {"loraserve.lora"},
     {"loraserve.worker"},
     {"loraserve.executor"},

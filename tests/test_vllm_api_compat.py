@@ -380,19 +380,13 @@ def test_add_special_tokens(server, model_dir):
     ("chat/completions", "prompt_logprobs", 1),
     ("completions", "truncate_prompt_tokens", 3),
     ("completions", "spaces_between_special_tokens", False),
-    ("completions", "guided_json", {"type": "object"}),
-    ("completions", "guided_choice", ["a", "b"]),
-    ("chat/completions", "guided_regex", "a+"),
-    ("chat/completions", "structured_outputs", {"regex": "a+"}),
+    ("completions", "structural_tag", '{"structures": []}'),
     ("completions", "priority", 1),
     ("completions", "request_id", "mine"),
     ("completions", "cache_salt", "salt"),
     ("chat/completions", "echo", True),
     ("chat/completions", "best_of", 2),
     ("chat/completions", "reasoning_effort", "low"),
-    ("chat/completions", "tool_choice", "auto"),
-    ("chat/completions", "tool_choice", "required"),
-    ("completions", "response_format", {"type": "json_object"}),
 ])
 def test_unsupported_fields_are_refused_by_name(server, endpoint, field, value):
     body = {"model": "base", "max_tokens": 1, field: value}
@@ -411,6 +405,18 @@ def test_tool_choice_none_is_accepted(server):
         "tool_choice": "none",
     })
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("choice", [{"tool_choice": "auto"}, {}])
+def test_auto_tool_choice_without_a_parser_is_vllms_400(server, choice):
+    """Without --enable-auto-tool-choice vLLM refuses "auto", which is also what a
+    request with tools and no tool_choice asks for."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    response = server.post("/v1/chat/completions", {
+        "model": "base", "messages": CHAT, "max_tokens": 1, "tools": [tool], **choice})
+    assert response.status_code == 400, response.text
+    assert error_of(response)["message"] == (
+        '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
 
 
 @pytest.mark.parametrize(("field", "value"), [

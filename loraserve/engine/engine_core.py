@@ -44,6 +44,7 @@ from loraserve.engine.protocol import (
 from loraserve.engine.request import Request, RequestStatus
 from loraserve.engine.scheduler import Scheduler
 from loraserve.engine.step_stats import StepLoRACounter
+from loraserve.engine.structured_outputs import StructuredOutputManager
 from loraserve.executor import make_executor
 from loraserve.lora.errors import LoRAError
 from loraserve.lora.request import LoRARequest
@@ -70,6 +71,8 @@ class EngineCore:
             config.scheduler_config, self.kv, lc.max_loras if lc else None,
             lc.scheduling if lc else "fcfs", lc.max_wait_steps if lc else 0)
         self.step_loras = StepLoRACounter()
+        # Structured outputs: grammars compiled off the loop, a matcher per request.
+        self.structured = StructuredOutputManager(config)
         self.requests: dict[str, Request] = {}
         # Outputs produced outside a model step (failed adapter loads, aborts).
         self._pending: list[EngineCoreOutput] = []
@@ -109,6 +112,7 @@ class EngineCore:
                 ecr.sampling_params.seed
             )
         self.requests[req.request_id] = req
+        self.structured.add_request(req)
         self.scheduler.add_request(req)
         name = req.lora_name
         if name is not None and not self.adapters.is_ready(name):
@@ -257,6 +261,8 @@ class EngineCore:
     def _step(self, outputs: list[EngineCoreOutput]) -> None:
         if self._in_flight is not None and not self._can_overlap():
             self._finish(self._take_in_flight(), outputs)
+        for req, error in self.structured.poll():
+            outputs += self._fail([req], error)
         ready: set[str] = set()
         slot_holders: frozenset[str] = frozenset()
         adapters = self.adapters
@@ -286,11 +292,14 @@ class EngineCore:
         return launched
 
     def _can_overlap(self) -> bool:
-        """Penalties and multi-token bad words read a request's output: those steps
-        wait for the last one."""
+        """Penalties and multi-token bad words read a request's output, and a
+        grammar's token mask needs the last token accepted: those steps wait for the
+        last one."""
         if not self.config.async_scheduling:
             return False
-        return not any(r.sampling_params.reads_output_tokens for r in self.scheduler.running)
+        return not any(r.sampling_params.reads_output_tokens
+                       or self.structured.waits_for_sampled_tokens(r)
+                       for r in self.scheduler.running)
 
     def _launch_isolating(
         self, scheduled: list[tuple[Request, int]], outputs: list[EngineCoreOutput]
@@ -325,6 +334,7 @@ class EngineCore:
         through, so a failed launch can be retried as if it never happened."""
         seqs = []
         sampled_reqs = []
+        sampling_rows = []
         prompt_reqs: list[tuple[Request, int]] = []  # and the positions they read
         for req, n in scheduled:
             start = req.num_computed_tokens
@@ -346,6 +356,10 @@ class EngineCore:
             ))
             if samples:
                 sampled_reqs.append(req)
+                sampling_rows.append(seqs[-1].sampling)
+        for row, mask in zip(sampling_rows, self.structured.token_masks(sampled_reqs),
+                             strict=True):
+            row.token_mask = mask
         step = StepInput(seqs, frozenset(self.scheduler.running_loras()))
         out = self.executor.execute(step)
         if self.adapters is not None:
@@ -390,6 +404,9 @@ class EngineCore:
                 if req.status == RequestStatus.FINISHED:
                     continue  # aborted, failed, or stopped while this step ran
                 req.output_token_ids.append(token)
+                if not self.structured.accept(req, token):
+                    outputs += self._fail([req], _grammar_error(req, token))
+                    continue
                 finish, stop_reason = self._check_stop(req, token)
                 outputs.append(EngineCoreOutput(
                     request_id=req.request_id,
@@ -415,6 +432,9 @@ class EngineCore:
     def _check_stop(self, req: Request, token: int) -> tuple[FinishReason | None, int | None]:
         params = req.sampling_params
         num_out = len(req.output_token_ids)  # a token in flight does not count yet
+        if self.structured.completed(req):
+            # Its grammar took its end token: nothing may follow.
+            return FinishReason.STOP, token if token in (params.stop_token_ids or ()) else None
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token == req.eos_token_id:
                 return FinishReason.STOP, None
@@ -486,6 +506,7 @@ class EngineCore:
         return stats
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
 
 
@@ -516,6 +537,12 @@ def _check_token_ids(what: str, token_ids: list[int], vocab: int) -> None:
     if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):
         bad = next(t for t in token_ids if t < 0 or t >= vocab)
         raise ValueError(f"{what} must be in [0, {vocab}), got {bad}")
+
+
+def _grammar_error(req: Request, token: int) -> str:
+    return (f"the sampled token {token} breaks the request's structured-output constraint "
+            f"after {len(req.output_token_ids) - 1} tokens (min_tokens can force a token the "
+            "constraint does not allow)")
 
 
 def _step_error(exc: Exception) -> str:

@@ -74,9 +74,10 @@ class _ChildState:
     """Detokenization state of one sequence."""
 
     def __init__(self, parent: _ParentState, index: int, params: SamplingParams,
-                 timeline: RequestTimeline) -> None:
+                 timeline: RequestTimeline, eos_token_id: int | None = None) -> None:
         self.parent = parent
         self.timeline = timeline
+        self.eos_token_id = eos_token_id
         self.out = CompletionOutput(index=index)
         if params.logprobs is not None:
             self.out.logprobs = []
@@ -134,7 +135,7 @@ class OutputProcessor:
                     prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             timeline = RequestTimeline(time.monotonic(), len(prompt_token_ids),
                                        child_params.max_tokens)
-            child = _ChildState(parent, i, child_params, timeline)
+            child = _ChildState(parent, i, child_params, timeline, eos_token_id)
             child.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, child_params.skip_special_tokens
             )
@@ -239,7 +240,12 @@ class OutputProcessor:
             out.delta_logprobs = delta
             out.cumulative_logprob += sum(entry[0][1] for entry in eco.new_logprobs)
 
-        text = child.detokenizer.add(eco.new_token_ids, final=eco.finish_reason is not None)
+        text_ids = eco.new_token_ids
+        if _ended_by_stop_token(child, eco):
+            # As vLLM: the token that ended the request is not part of its text
+            # (which matters when special tokens are kept, as tool parsers ask).
+            text_ids = text_ids[:-1]
+        text = child.detokenizer.add(text_ids, final=eco.finish_reason is not None)
         stopped_by_string = False
         if eco.finish_reason != FinishReason.ERROR:
             hit = _find_stop(text, child.stops, len(out.text))
@@ -267,6 +273,15 @@ class OutputProcessor:
         out.delta_text = text[child.sent_chars:visible]
         child.sent_chars = visible
         return stopped_by_string
+
+
+def _ended_by_stop_token(child: _ChildState, eco: EngineCoreOutput) -> bool:
+    """The step's last token is the EOS or stop token id that ended the request, and
+    its text is not asked for (include_stop_str_in_output)."""
+    if eco.finish_reason != FinishReason.STOP or not eco.new_token_ids \
+            or child.params.include_stop_str_in_output:
+        return False
+    return eco.stop_reason is not None or eco.new_token_ids[-1] == child.eos_token_id
 
 
 def _find_stop(text: str, stops: list[str], old_len: int) -> tuple[str, int] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,9 @@ from loraserve.engine.protocol import EngineCoreRequest, FinishReason, RequestTi
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams
 from loraserve.worker.input_batch import PENDING_TOKEN
+
+if TYPE_CHECKING:
+    from loraserve.structured_output.request_grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -54,6 +58,8 @@ class Request:
     # Steps this request waited with its adapter ready but no place for it among
     # the max_loras running adapters (engine/lora_admission.py).
     slot_waits: int = 0
+    # Structured outputs: the request's grammar (compile, then matcher), if any.
+    grammar: RequestGrammar | None = None
 
     @classmethod
     def from_engine_request(cls, req: EngineCoreRequest) -> Request:
@@ -83,6 +89,11 @@ class Request:
         if self.sampling_params.max_tokens is not None:
             limit = min(limit, self.sampling_params.max_tokens)
         return max(0, limit - len(self.output_token_ids) - self.num_pending)
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """Its grammar is still compiling: it cannot be scheduled yet."""
+        return self.grammar is not None and not self.grammar.ready
 
     @property
     def num_tokens(self) -> int:

@@ -18,9 +18,10 @@ step or not, and so do the pinned adapters that hold a device slot (they never
 give it up). Which new adapters may take the places left is the LoRA scheduling
 policy's choice (lora_admission.py: vLLM's fcfs, or slot-aware, which bounds how
 long a request is passed over). A waiting request whose adapter may not join is
-skipped; so is one whose adapter is still loading. A skipped request keeps its
-place at the front of the queue. (When pinned adapters hold every slot, a request
-for another adapter could never go: the engine fails it before it gets here.)
+skipped; so is one whose adapter is still loading, or whose grammar (structured
+outputs) is still compiling. A skipped request keeps its place at the front of
+the queue. (When pinned adapters hold every slot, a request for another adapter
+could never go: the engine fails it before it gets here.)
 """
 
 from __future__ import annotations
@@ -147,8 +148,9 @@ class Scheduler:
         to_load: dict[str, LoRARequest] = {}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.pop()
-            if req.num_pending:
+            if req.num_pending or req.waiting_for_grammar:
                 # Preempted with a token in flight: it can restart once that is back.
+                # Or its grammar is still compiling (structured outputs).
                 skipped.append(req)
                 continue
             name = req.lora_name

@@ -58,6 +58,8 @@ from loraserve.entrypoints.shutdown import (
     DrainingServer,
     shutting_down_error,
 )
+from loraserve.entrypoints.structured_outputs import GrammarChecker
+from loraserve.entrypoints.tool_parsers.base import load_tool_parser
 from loraserve.lora.resolver import load_resolvers
 from loraserve.metrics import CONTENT_TYPE, ServerMetrics, cache_config_labels
 from loraserve.version import __version__
@@ -296,14 +298,18 @@ def build_server_state(
     generator = (RequestLoggingEngine(engine, settings.served_model_names[0])
                  if settings.enable_log_requests else engine)
     policy = settings.engine_config.scheduler_config.policy
+    grammar_checker = GrammarChecker(settings.engine_config.structured_outputs_config)
+    tool_parser = (load_tool_parser(settings.tool_call_parser, settings.tool_parser_plugin)
+                   if settings.enable_auto_tool_choice else None)
     chat = OpenAIServingChat(generator, models, request_tokenizer, limits,
                              settings.sampling_defaults, settings.trust_request_chat_template,
-                             settings.response_role, policy)
+                             settings.response_role, policy, grammar_checker, tool_parser)
     return ServerState(
         engine=engine,
         models=models,
         completion=OpenAIServingCompletion(generator, models, request_tokenizer, limits,
-                                           settings.sampling_defaults, policy),
+                                           settings.sampling_defaults, policy,
+                                           grammar_checker),
         chat=chat,
         tokenization=OpenAIServingTokenization(models, chat, request_tokenizer, limits),
         metrics=metrics,

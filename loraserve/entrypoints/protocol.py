@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import secrets
+import string
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 # Every integer a request carries fits a signed 64-bit int: what torch.Generator and
 # the engine's msgpack messages take (seeds bounded as vLLM bounds them).
@@ -16,6 +18,17 @@ Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def random_tool_call_id() -> str:
+    """vLLM's tool call ids: chatcmpl-tool-<32 hex digits>."""
+    return random_id("chatcmpl-tool")
+
+
+def mistral_tool_call_id() -> str:
+    """Mistral's tool call ids: 9 letters and digits (its chat template checks it)."""
+    alphabet = string.ascii_letters + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(9))
 
 
 class OpenAIModel(BaseModel):
@@ -54,7 +67,9 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool | None = None
-    # Only {"type": "text"} is served (no structured output).
+    # Structured outputs (loraserve/entrypoints/structured_outputs.py reads them):
+    # OpenAI's response_format, vLLM's structured_outputs object and its older
+    # guided_* fields.
     response_format: dict[str, Any] | None = None
     allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
@@ -65,6 +80,13 @@ class SamplingFields(OpenAIModel):
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     best_of: Int64 | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -92,7 +114,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}};
+    # checked in loraserve/entrypoints/tool_calls.py, with vLLM's messages.
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = True
     # vLLM's extras for the chat template.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -163,9 +188,52 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=random_tool_call_id)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: the first of a call has its id, type and
+    name; the others add to its arguments. `index` is the call's place in the
+    message."""
+
+    id: str | None = None
+    type: Literal["function"] | None = None
+    index: int
+    function: DeltaFunctionCall | None = None
+
+
+class ExtractedToolCallInformation(BaseModel):
+    """What a tool parser finds in a whole answer (vLLM's shape)."""
+
+    tools_called: bool
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    content: str | None = None
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _without_empty_tool_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionChoice(BaseModel):
@@ -188,6 +256,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -28,6 +28,9 @@ def summarize_sampling(params: SamplingParams) -> str:
     for name in ("logit_bias", "allowed_token_ids", "bad_words"):
         if getattr(params, name):
             parts.append(f"{name}={len(getattr(params, name))}")
+    if params.structured_outputs is not None:
+        # Which kind only: a schema or grammar can be long, and say what the text is.
+        parts.append(f"structured_outputs={params.structured_outputs.kind}")
     return ", ".join(parts) or "defaults"
 
 

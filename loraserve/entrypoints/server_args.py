@@ -145,6 +145,17 @@ class ServerArgs:
     ssl_cert_reqs: int = _server(
         0, choices=[0, 1, 2], help="Client certificates: 0 not asked for, 1 optional, 2 "
         "required (Python's ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED).")
+    enable_auto_tool_choice: bool = _server(
+        False, help='Let chat requests use tool_choice "auto" (the default when tools are '
+        "given): the model decides, and its tool calls are read out of its text with "
+        "--tool-call-parser. Without it such requests get 400, as in vLLM; \"required\" and "
+        "a named function work either way.")
+    tool_call_parser: str | None = _server(
+        metavar="NAME", help="How the model writes tool calls: hermes, llama3_json, mistral, "
+        "pythonic, or a name a --tool-parser-plugin registers.")
+    tool_parser_plugin: str | None = _server(
+        metavar="PATH", help="A Python file that registers more tool parsers "
+        "(ToolParserManager.register_module), as a vLLM tool-parser plugin does.")
 
     lora_modules: list[LoRAModulePath] | None = option(
         None, group="LoRA", needs_lora=True, nargs="+", type=parse_lora_module,
@@ -188,6 +199,23 @@ class ServerArgs:
             raise OptionError("adapter names {value} clash with the served model name",
                               value=clash)
         self._check_pinned(modules, engine.max_loras)
+        self._check_tool_parser()
+
+    def _check_tool_parser(self) -> None:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise OptionError("{enable_auto_tool_choice} needs {tool_call_parser}")
+        from loraserve.entrypoints.tool_parsers.base import ToolParserManager, load_tool_parser
+
+        if self.tool_parser_plugin:
+            try:
+                ToolParserManager.import_tool_parser(self.tool_parser_plugin)
+            except ValueError as exc:
+                raise OptionError("{tool_parser_plugin}: {error}", error=exc) from exc
+        if self.tool_call_parser:
+            try:
+                load_tool_parser(self.tool_call_parser)
+            except ValueError as exc:
+                raise OptionError("{tool_call_parser}: {error}", error=exc) from exc
 
     def _check_pinned(self, modules: list[LoRAModulePath], max_loras: int) -> None:
         pinned = sum(m.pinned for m in modules)

@@ -30,6 +30,7 @@ from loraserve.entrypoints.protocol import (
     ChatStreamChoice,
     ChatTokenLogprob,
     DeltaMessage,
+    ToolCall,
     TopLogprob,
     UsageInfo,
     random_id,
@@ -54,11 +55,21 @@ from loraserve.entrypoints.serving_common import (
     top_entries,
     usage_options,
 )
+from loraserve.entrypoints.tool_calls import (
+    ToolChoice,
+    answer_parser,
+    finish_reason,
+    resolve_tool_choice,
+    template_message,
+    tool_constraint,
+)
 
 if TYPE_CHECKING:
     from loraserve.entrypoints.core_client import AsyncEngineClient
     from loraserve.entrypoints.request_tokenizer import RequestTokenizer
     from loraserve.entrypoints.serving_models import ServingModels
+    from loraserve.entrypoints.structured_outputs import GrammarChecker
+    from loraserve.entrypoints.tool_parsers import ToolParser
 
 # apply_chat_template's inputs that chat_template_kwargs may also pass; its other
 # parameters (tokenize, return_dict, padding ...) are the server's to set.
@@ -88,7 +99,7 @@ def _message_dict(message: Any, index: int) -> dict[str, Any]:
                 )
             texts.append(part["text"])
         data["content"] = "\n".join(texts)
-    return data
+    return template_message(data, index)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -102,11 +113,15 @@ class OpenAIServingChat(OpenAIServing):
         trust_request_chat_template: bool = False,
         response_role: str = "assistant",
         scheduling_policy: str = "fcfs",
+        grammar_checker: GrammarChecker | None = None,
+        tool_parser: type[ToolParser] | None = None,
     ) -> None:
         super().__init__(engine, models, tokenizer, limits, sampling_defaults,
-                         scheduling_policy)
+                         scheduling_policy, grammar_checker)
         self.trust_request_chat_template = trust_request_chat_template
         self.response_role = response_role
+        # The parser of tool_choice "auto" (--enable-auto-tool-choice); None: refused.
+        self.tool_parser = tool_parser
         # Longer output could not fit the context anyway.
         self.renderer = ChatTemplateRenderer(
             tokenizer.hf, tokenizer.max_chars(limits.max_model_len),
@@ -191,15 +206,12 @@ class OpenAIServingChat(OpenAIServing):
         check_unsupported(request)
         check_not_supported(request, CHAT_FIELDS_NOT_SUPPORTED)
         self.check_priority(request)
-        if request.tool_choice not in (None, "none"):
-            # Tool calls are not parsed out of the text; "auto" would answer with a
-            # call as plain content, a named tool choice would not be enforced.
-            raise bad_request(
-                f"tool_choice {request.tool_choice!r} is not supported by this server: it "
-                "does not parse tool calls. Leave it unset or 'none'.", param="tool_choice",
-            )
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true.", param="top_logprobs")
+        choice = resolve_tool_choice(request, self.tool_parser is not None)
+        if self.tool_parser is not None and choice.mode != "none":
+            request = self.tool_parser(self.tokenizer.hf).adjust_request(request)
+        constraint = await self.structured_outputs(request, tool_constraint(request, choice))
         lora = await self.models.resolve(request.model)
         prompt, ids = await self.render_prompt(request)
         if request.max_completion_tokens is not None:
@@ -211,7 +223,8 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = min(max_tokens, self.sampling_defaults["max_new_tokens"])
         top_k = (request.top_logprobs or 0) if request.logprobs else None
         params = build_sampling_params(request, max_tokens, top_k, self.limits.vocab_size,
-                                       self.sampling_defaults, logprobs_field="top_logprobs")
+                                       self.sampling_defaults, logprobs_field="top_logprobs",
+                                       structured_outputs=constraint)
         if self.engine.is_dead:
             raise engine_unavailable()
         request_id = random_id("chatcmpl")
@@ -229,10 +242,10 @@ class OpenAIServingChat(OpenAIServing):
         await self.add_bad_words(params)
         stream = self.engine.generate(request_id, prompt, ids, params, lora, request.priority)
         if request.stream:
-            return sse_events(
-                self._stream(request, request_id, model_name, len(ids), stream, token_text)
-            )
-        return await self._full(request, request_id, model_name, len(ids), stream, token_text)
+            return sse_events(self._stream(request, choice, request_id, model_name, len(ids),
+                                           stream, token_text))
+        return await self._full(request, choice, request_id, model_name, len(ids), stream,
+                                token_text)
 
     def _role(self, request: ChatCompletionRequest) -> str:
         """vLLM's rule: the server's response role (--response-role) answers a
@@ -244,6 +257,7 @@ class OpenAIServingChat(OpenAIServing):
     async def _full(
         self,
         request: ChatCompletionRequest,
+        choice: ToolChoice,
         request_id: str,
         model_name: str,
         prompt_len: int,
@@ -251,17 +265,18 @@ class OpenAIServingChat(OpenAIServing):
         token_text: TokenText,
     ) -> ChatCompletionResponse:
         (outputs,) = await final_outputs([stream])
-        choices = [
-            ChatCompletionChoice(
+        choices = []
+        for out in outputs:
+            content, calls = self._tool_calls(request, choice, out.text)
+            choices.append(ChatCompletionChoice(
                 index=out.index,
-                message=ChatResponseMessage(role=self._role(request), content=out.text),
+                message=ChatResponseMessage(role=self._role(request), content=content,
+                                            tool_calls=calls),
                 logprobs=_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0,
                                    token_text) if request.logprobs else None,
-                finish_reason=out.finish_reason,
+                finish_reason=finish_reason(choice, bool(calls), out.finish_reason),
                 stop_reason=out.stop_reason,
-            )
-            for out in outputs
-        ]
+            ))
         completion_tokens = sum(len(out.token_ids) for out in outputs)
         return ChatCompletionResponse(
             id=request_id,
@@ -322,9 +337,24 @@ class OpenAIServingChat(OpenAIServing):
         if include_usage:
             yield _sse_chunk(request_id, response.created, model_name, [], response.usage)
 
+    def _tool_calls(self, request: ChatCompletionRequest, choice: ToolChoice,
+                    text: str) -> tuple[str | None, list[ToolCall]]:
+        """A whole answer's content and tool calls."""
+        parser = answer_parser(choice, self.tool_parser, self.tokenizer.hf)
+        if parser is None:
+            return text, []
+        found = parser.extract_tool_calls(text, request)
+        if not found.tools_called:
+            return found.content or text, []
+        calls = found.tool_calls[:1] if request.parallel_tool_calls is False \
+            else found.tool_calls
+        # As vLLM: a constrained answer is all calls, its content empty, not null.
+        return (found.content or "") if choice.constrained else found.content, calls
+
     async def _stream(
         self,
         request: ChatCompletionRequest,
+        choice: ToolChoice,
         request_id: str,
         model_name: str,
         prompt_len: int,
@@ -347,6 +377,13 @@ class OpenAIServingChat(OpenAIServing):
                 role=self._role(request), content=""))])
         finished: set[int] = set()
         completion_tokens = 0
+        # Per choice: what reads its tool calls (None: plain text), its text so far,
+        # and whether it streamed a call.
+        parsers = [answer_parser(choice, self.tool_parser, self.tokenizer.hf)
+                   for _ in range(request.n)]
+        texts = [""] * request.n
+        token_ids: list[list[int]] = [[] for _ in range(request.n)]
+        called = [False] * request.n
         async with aclosing(stream):
             async for output in stream:
                 for out in output.outputs:
@@ -361,17 +398,32 @@ class OpenAIServingChat(OpenAIServing):
                     # string): clients time tokens by chunks.
                     if not out.delta_text and not out.delta_token_ids and not out.finish_reason:
                         continue
-                    if out.finish_reason is not None:
-                        finished.add(out.index)
+                    i = out.index
+                    parser = parsers[i]
+                    if parser is None:
+                        delta = DeltaMessage(content=out.delta_text)
+                    else:
+                        delta = _tool_delta(parser, request, texts[i], token_ids[i], out)
+                        if delta is not None and delta.tool_calls:
+                            called[i] = True
+                        texts[i] += out.delta_text
                     logprobs = None
                     if request.logprobs:
                         logprobs = _logprobs(out.delta_token_ids, out.delta_logprobs,
                                              request.top_logprobs or 0, token_text)
+                    if delta is None:
+                        # A tool parser holding text back: as vLLM, no chunk.
+                        if out.finish_reason is None and logprobs is None:
+                            continue
+                        delta = DeltaMessage()
+                    if out.finish_reason is not None:
+                        finished.add(i)
                     yield chunk([ChatStreamChoice(
-                        index=out.index,
-                        delta=DeltaMessage(content=out.delta_text),
+                        index=i,
+                        delta=delta,
                         logprobs=logprobs,
-                        finish_reason=out.finish_reason,
+                        finish_reason=finish_reason(choice, called[i], out.finish_reason,
+                                                    streamed=True),
                         stop_reason=out.stop_reason,
                     )])
         if include_usage:
@@ -387,9 +439,37 @@ def _sse_chunk(request_id: str, created: int, model_name: str,
     data = body.model_dump()
     if usage is None:
         del data["usage"]
-    for choice in data["choices"]:
-        choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    for item, choice in zip(data["choices"], choices, strict=True):
+        item["delta"] = choice.delta.model_dump(exclude_none=True)
     return sse(data)
+
+
+def _tool_delta(parser: ToolParser, request: ChatCompletionRequest, previous_text: str,
+                previous_ids: list[int], out: Any) -> DeltaMessage | None:
+    """One streamed step of an answer that may hold tool calls, through its parser
+    (and, on the last step, what the parser held back). `previous_ids` grows."""
+    current_ids = previous_ids + list(out.delta_token_ids)
+    current_text = previous_text + out.delta_text
+    delta = parser.extract_tool_calls_streaming(
+        previous_text, current_text, out.delta_text, list(previous_ids), current_ids,
+        list(out.delta_token_ids), request)
+    previous_ids[:] = current_ids
+    if out.finish_reason is not None:
+        delta = _merged(delta, parser.finish_streaming(current_text, request))
+    if delta is not None and delta.tool_calls and request.parallel_tool_calls is False:
+        # As vLLM: only the first call.
+        delta.tool_calls = [call for call in delta.tool_calls if call.index == 0] or None
+        if delta.content is None and not delta.tool_calls:
+            return None
+    return delta
+
+
+def _merged(first: DeltaMessage | None, second: DeltaMessage | None) -> DeltaMessage | None:
+    if first is None or second is None:
+        return first or second
+    content = (first.content or "") + (second.content or "")
+    calls = (first.tool_calls or []) + (second.tool_calls or [])
+    return DeltaMessage(role=first.role, content=content or None, tool_calls=calls or None)
 
 
 def _logprobs(

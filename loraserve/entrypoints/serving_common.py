@@ -18,8 +18,14 @@ from loraserve.entrypoints.beam_search import Beam, BeamSearchParams, beam_searc
 from loraserve.entrypoints.core_client import EngineDeadError
 from loraserve.entrypoints.errors import APIError, bad_request, engine_unavailable
 from loraserve.entrypoints.protocol import SamplingFields
+from loraserve.entrypoints.structured_outputs import (
+    Constraint,
+    GrammarChecker,
+    request_constraint,
+)
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams, tokenize_bad_words
+from loraserve.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from loraserve.entrypoints.core_client import AsyncEngineClient
@@ -67,6 +73,7 @@ class OpenAIServing:
         limits: ModelLimits,
         sampling_defaults: dict[str, Any] | None = None,
         scheduling_policy: str = "fcfs",
+        grammar_checker: GrammarChecker | None = None,
     ) -> None:
         self.sampling_defaults = sampling_defaults or {}
         self.engine = engine
@@ -74,6 +81,11 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.limits = limits
         self.scheduling_policy = scheduling_policy
+        if grammar_checker is None:
+            from loraserve.config import StructuredOutputsConfig
+
+            grammar_checker = GrammarChecker(StructuredOutputsConfig())
+        self.grammar_checker = grammar_checker
 
     @property
     def max_model_len(self) -> int:
@@ -131,6 +143,19 @@ class OpenAIServing:
 
         return await beam_search(step, prompt_ids, params, self.engine.eos_token_id,
                                  self.tokenizer.hf)
+    async def structured_outputs(self, request: SamplingFields,
+                                 extra: Constraint | None = None
+                                 ) -> StructuredOutputsParams | None:
+        """The request's output constraint (None: none), checked to compile: a 400
+        naming the problem otherwise. `extra`: one the endpoint adds (tools)."""
+        config = self.grammar_checker.config
+        constraint = request_constraint(request, config.backend, extra)
+        if constraint is None:
+            return None
+        # Building a grammar takes time in proportion to the constraint.
+        await self.tokenizer.run(len(constraint.params.spec), self.grammar_checker.check,
+                                 constraint)
+        return constraint.params
 
 
 def check_prompt_size(
@@ -182,13 +207,7 @@ VLLM_FIELDS_NOT_SUPPORTED: dict[str, Any] = {
     "truncate_prompt_tokens": None,
     "spaces_between_special_tokens": True,
     "logits_processors": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
-    "guided_decoding_backend": None,
-    "guided_whitespace_pattern": None,
-    "structured_outputs": None,
+    "structural_tag": None,
     "request_id": None,
     "return_token_ids": False,
     "cache_salt": None,
@@ -228,9 +247,6 @@ def check_not_supported(request: SamplingFields, fields: dict[str, Any]) -> None
 
 def check_unsupported(request: SamplingFields) -> None:
     check_not_supported(request, VLLM_FIELDS_NOT_SUPPORTED)
-    if request.response_format and request.response_format.get("type", "text") != "text":
-        raise bad_request("Only response_format type 'text' is supported.",
-                          param="response_format")
     if request.n < 1:
         raise bad_request(f"n must be at least 1, got {request.n}.", param="n")
     if request.n > MAX_N:
@@ -363,6 +379,7 @@ def build_sampling_params(
     defaults: dict[str, Any] | None = None,
     prompt_logprobs: int | None = None,
     logprobs_field: str = "logprobs",
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """SamplingParams from an OpenAI request; invalid values become a 400.
 
@@ -404,6 +421,7 @@ def build_sampling_params(
         "logit_bias": request.logit_bias or None,
         "allowed_token_ids": request.allowed_token_ids,
         "bad_words": request.bad_words or None,
+        "structured_outputs": structured_outputs,
     }
     check_token_ids(request.allowed_token_ids or [], vocab_size, "allowed_token_ids")
     try:

@@ -94,6 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request("prompt_logprobs are not available when stream is true.",
                               param="prompt_logprobs")
         lora = await self.models.resolve(request.model)
+        constraint = await self.structured_outputs(request)
         prompts = await self._prompts(request)
         params = [
             build_sampling_params(
@@ -103,6 +104,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 self.limits.vocab_size,
                 self.sampling_defaults,
                 _engine_prompt_logprobs(request),
+                structured_outputs=constraint,
             )
             for _, ids in prompts
         ]

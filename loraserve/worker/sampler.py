@@ -1,9 +1,10 @@
 """Turns the last-position logits of each sequence into its next token.
 
-Order as in vLLM: raw logprobs, the per-request logit controls (allowed_token_ids,
-bad_words, logit_bias), penalties, min_tokens masking, then greedy rows take the
-argmax and the others go through temperature, top-k, top-p and min-p before a
-draw. Everything is batched tensor work on the logits' device; the only host
+Order as in vLLM: grammar masks (structured outputs, only on the rows that have
+one), raw logprobs, the per-request logit controls (allowed_token_ids, bad_words,
+logit_bias), penalties, min_tokens masking, then greedy rows take the argmax and
+the others go through temperature, top-k, top-p and min-p before a draw.
+Everything is batched tensor work on the logits' device; the only host
 synchronisation is reading back the sampled ids (and logprobs if asked), which
 `SampledBatch.to_host` may put off until after the next step is launched. A
 request with a seed draws from its own generator, so its tokens do not depend on
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from loraserve.sampling_params import SamplingParams
+from loraserve.structured_output.bitmask import TokenMask, apply_token_masks
 
 
 @dataclass
@@ -35,6 +37,8 @@ class SamplingRow:
     # Tokens sampled for this request but not yet in output_token_ids (async
     # scheduling); they count towards min_tokens.
     num_pending: int = 0
+    # Structured outputs: the tokens its grammar allows next.
+    token_mask: TokenMask | None = None
 
 
 @dataclass
@@ -112,6 +116,7 @@ class Sampler:
         if wants_logprobs or penalties or not all_greedy:
             # Greedy rows alone need only the argmax, the same in the model's dtype.
             logits = logits.float()
+        apply_token_masks(logits, [r.token_mask for r in rows])
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         controlled = _controlled_rows(logits, rows)
         if controlled is not None and logits.dtype == torch.float32:
@@ -150,10 +155,12 @@ class Sampler:
     @staticmethod
     def argmax_suffices(rows: list[SamplingRow]) -> bool:
         """Whether ``sample`` would return ``argmax(logits)`` of the raw logits: greedy
-        rows that ask for no logprobs, no penalties and no min_tokens masking."""
+        rows that ask for no logprobs, no penalties, no min_tokens masking and have no
+        grammar mask."""
         return all(
             r.params.greedy and r.params.logprobs is None and not r.params.uses_penalties
             and not r.params.has_logit_controls and not _stop_ids_masked(r)
+            and r.token_mask is None
             for r in rows
         )
 
