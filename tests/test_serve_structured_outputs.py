@@ -15,7 +15,7 @@ import httpx
 import pytest
 from serve_utils import ServerProcess
 
-from loraserve.cli import build_parser, validate_serve_args
+from loraserve.cli_args import build_parser, validate_serve_args
 
 jsonschema = pytest.importorskip("jsonschema")
 
