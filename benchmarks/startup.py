@@ -77,7 +77,7 @@ def main() -> None:
     p.add_argument("--max-lora-rank", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--specialize-active-lora", action="store_true")
-    p.add_argument("--cudagraph-mode", default="FULL_DECODE_ONLY")
+    p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
     p.add_argument("--json", type=Path)
     p.add_argument("--profile-dir", type=Path,
                    help="write a cProfile summary of each engine start here")

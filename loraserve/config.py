@@ -9,7 +9,14 @@ from typing import Any
 
 import torch
 
-from loraserve.options import OptionError, is_set, lora_only, option, positive_int
+from loraserve.options import (
+    OptionError,
+    is_set,
+    lora_only,
+    option,
+    positive_int,
+    positive_int_or_auto,
+)
 
 # The orders the scheduler can start waiting requests in (engine/scheduler.py).
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -82,7 +89,10 @@ class SchedulerConfig:
 class LoRAConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
-    max_cpu_loras: int = 1
+    max_cpu_loras: int = 1  # 0: as many as max_loras, once auto has decided it
+    # --max-loras auto: the worker sizes the slots from device memory at start-up
+    # (loraserve/lora/slot_memory.py) and max_loras is its decision from then on.
+    auto_max_loras: bool = False
     lora_dtype: torch.dtype = torch.float32
     target_modules: list[str] | None = None
     # Under tensor parallelism, also split A of column-parallel layers and B of
@@ -198,7 +208,7 @@ class EngineConfig:
     specialize_active_lora: bool = False
     # Which steps replay CUDA graphs: decode steps only, or also the others
     # through piecewise graphs (see worker/piecewise_graphs.py).
-    cudagraph_mode: str = "FULL_DECODE_ONLY"
+    cudagraph_mode: str = "FULL_AND_PIECEWISE"
     # Schedule and launch step N+1 before reading step N's tokens back, so host
     # work overlaps the device (see engine/engine_core.py).
     async_scheduling: bool = True
@@ -265,11 +275,12 @@ class EngineArgs:
                           help="Where to run the model (auto: cuda when available).")
     enforce_eager: bool = _engine(False, help="Never use CUDA graphs.")
     cudagraph_mode: str = _engine(
-        "FULL_DECODE_ONLY", type=str.upper, choices=list(CUDAGRAPH_MODES),
-        help="Which steps replay CUDA graphs: FULL_DECODE_ONLY (default) captures decode "
-        "steps whole; FULL_AND_PIECEWISE also captures the other steps (prefill chunks, "
-        "prefill beside decodes) per token-count bucket in pieces, with attention run "
-        "eagerly between them; NONE is --enforce-eager.")
+        "FULL_AND_PIECEWISE", type=str.upper, choices=list(CUDAGRAPH_MODES),
+        help="Which steps replay CUDA graphs: FULL_AND_PIECEWISE (default) captures decode "
+        "steps whole and the other steps (prefill chunks, prefill beside decodes) per "
+        "token-count bucket in pieces, with attention run eagerly between them; "
+        "FULL_DECODE_ONLY captures decode steps only (a faster start, slower prefill); "
+        "NONE is --enforce-eager.")
     specialize_active_lora: bool = _engine(
         False, help="Also capture CUDA graphs without the LoRA ops, for steps that use no "
         "adapter (by default one graph set serves both).")
@@ -300,8 +311,12 @@ class EngineArgs:
         help="vLLM's older flag for the structured-output backend: xgrammar or auto.")
 
     enable_lora: bool = option(False, group="LoRA", help="Serve LoRA adapters.")
-    max_loras: int = _lora(1, type=positive_int,
-                           help="Most distinct adapters in one step (device slots; default: 1).")
+    max_loras: int | str = _lora(
+        1, type=positive_int_or_auto,
+        help="Most distinct adapters in one step: the device slots (default: 1). auto: as "
+        "many as a tenth of the GPU memory that the weights leave holds at "
+        "--max-lora-rank (at most 512 and --max-num-seqs; 8 on the CPU), logged at "
+        "start-up.")
     max_lora_rank: int = _lora(16, choices=SUPPORTED_LORA_RANKS,
                                help="Largest adapter rank served (default: 16).")
     max_cpu_loras: int | None = _lora(
@@ -380,13 +395,16 @@ class EngineArgs:
         if self.max_lora_rank not in SUPPORTED_LORA_RANKS:
             raise OptionError("{max_lora_rank} {value} is not supported; use one of {ranks}",
                               value=self.max_lora_rank, ranks=list(SUPPORTED_LORA_RANKS))
-        if self.max_loras < 1:
-            raise OptionError("{max_loras} must be >= 1, got {value}", value=self.max_loras)
+        if self.max_loras != "auto" and (not isinstance(self.max_loras, int)
+                                         or self.max_loras < 1):
+            raise OptionError("{max_loras} must be auto or >= 1, got {value}",
+                              value=self.max_loras)
         if self.lora_scheduling not in LORA_SCHEDULING_POLICIES:
             raise OptionError("{lora_scheduling} must be one of {policies}, not {value!r}",
                               policies=", ".join(LORA_SCHEDULING_POLICIES),
                               value=self.lora_scheduling)
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+        if (self.max_cpu_loras is not None and self.max_loras != "auto"
+                and self.max_cpu_loras < self.max_loras):
             raise OptionError("{max_cpu_loras} ({value}) must be at least {max_loras} ({limit})",
                               value=self.max_cpu_loras, limit=self.max_loras)
         if self.fully_sharded_loras and self.max_lora_rank % self.tensor_parallel_size:
@@ -460,10 +478,12 @@ class EngineArgs:
     def _lora_config(self, model_dtype: torch.dtype) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
+        auto = self.max_loras == "auto"
         return LoRAConfig(
-            max_loras=self.max_loras,
+            max_loras=1 if auto else self.max_loras,
             max_lora_rank=self.max_lora_rank,
-            max_cpu_loras=self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras,
+            max_cpu_loras=self.max_cpu_loras or (0 if auto else self.max_loras),
+            auto_max_loras=auto,
             lora_dtype=model_dtype if self.lora_dtype == "auto" else parse_dtype(self.lora_dtype),
             target_modules=list(self.lora_target_modules) if self.lora_target_modules else None,
             fully_sharded_loras=self.fully_sharded_loras,

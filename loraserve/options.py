@@ -132,6 +132,11 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_int_or_auto(text: str) -> int | str:
+    """A count, or "auto": loraserve decides it at start-up."""
+    return "auto" if str(text).strip().lower() == "auto" else positive_int(text)
+
+
 def seconds(text: str) -> float:
     value = float(text)
     if not 0.0 <= value < float("inf"):

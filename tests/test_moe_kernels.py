@@ -112,10 +112,15 @@ def test_add_moe_lora_matches_torch(top_k, rank):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 16, 300])
-def test_fused_moe_experts_on_gpu_match_torch(dtype, atol, tokens):
-    """Mixtral-like proportions (8 experts, top-2), compiled kernels."""
+def test_fused_moe_experts_on_gpu_match_torch(dtype, tokens):
+    """Mixtral-like proportions (8 experts, top-2), compiled kernels. In fp32 the
+    kernels equal the torch path. In bf16 both round their intermediates (the
+    gate/up output, the activation, the down output) to bf16, each at its own
+    points: the kernels must then be as close to the exact (fp32) result as torch's
+    own bf16 path is, not closer than a fixed tolerance that the rounding alone can
+    exceed at these magnitudes (outputs of about 10 with the adapters)."""
     gen = torch.Generator().manual_seed(tokens)
     hidden, inter, experts, top_k, slots = 256, 512, 8, 2, 4
     x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
@@ -123,7 +128,15 @@ def test_fused_moe_experts_on_gpu_match_torch(dtype, atol, tokens):
     w2 = (torch.randn(experts, hidden, inter, generator=gen) * 0.05).to(DEVICE, dtype)
     weights, ids = _routing(tokens, experts, top_k, gen)
     lora = _lora(tokens, slots, experts, 16, hidden, inter, dtype, gen, used_rank=8)
-    want = torch_moe_experts(x.float(), w13.float(), w2.float(), weights, ids,
-                             _as_fp32(lora))
-    got = fused_moe_experts(x, w13, w2, weights.to(dtype), ids, lora)
-    torch.testing.assert_close(got.float(), want, atol=atol, rtol=atol)
+    exact = torch_moe_experts(x.float(), w13.float(), w2.float(), weights, ids,
+                              _as_fp32(lora))
+    got = fused_moe_experts(x, w13, w2, weights.to(dtype), ids, lora).float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, exact, atol=1e-4, rtol=1e-4)
+        return
+    torch_bf16 = torch_moe_experts(x, w13, w2, weights.to(dtype), ids, lora).float()
+    ours, theirs = (got - exact).abs(), (torch_bf16 - exact).abs()
+    scale = exact.abs().mean()
+    # Mean and worst error, each within twice torch's and a small floor.
+    assert ours.mean() <= 2 * theirs.mean() + 1e-3 * scale, (ours.mean(), theirs.mean())
+    assert ours.max() <= 2 * theirs.max() + 1e-2 * scale, (ours.max(), theirs.max())

@@ -91,7 +91,10 @@ def test_piecewise_graphs_match_peft_on_the_gpu(llama_dir, llama_adapters, promp
     assert runner.pieces is not None and runner.pieces.graphs
     calls = _count_calls(runner.pieces, "run")
     _check_against_peft(llm, llama_dir, _mixed_batch(llama_adapters, prompts))
-    assert len(set(calls)) > 2
+    # Only steps with a prefill chunk reach the pieces here (decode steps replay
+    # the decode graphs): they came in several sizes, padded to their buckets.
+    assert len(set(calls)) >= 2
+    assert any(runner.pieces.padded_size(n) > n for n in calls)
 
 
 @pytest.mark.gpu

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--cudagraph-mode", default="FULL_DECODE_ONLY",
+    p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE",
                    help="FULL_AND_PIECEWISE: mixed steps replay piecewise graphs")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)

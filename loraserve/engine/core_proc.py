@@ -323,6 +323,7 @@ def run_engine_core(
             max_model_len=config.model_config.max_model_len,
             model_path=str(config.model_config.model),
             num_kv_blocks=core.kv.num_blocks,
+            max_loras=config.lora_config.max_loras if config.lora_config else 0,
         )
         out_sock.send_multipart(encode(OutputKind.READY, ready))
         proc = EngineCoreProc(core, in_sock, out_sock, parent_pid)

@@ -59,6 +59,9 @@ class EngineCore:
         self.config = config
         # With tensor parallelism this process is rank 0 and starts the other ranks.
         self.executor = make_executor(config)
+        if config.lora_config is not None:
+            # Decided by the worker with --max-loras auto.
+            config.lora_config = self.executor.call("lora_config")
         # None without enable_lora: every adapter operation goes through it.
         self.adapters: EngineAdapters | None = (
             EngineAdapters(self.executor) if config.lora_config is not None else None)

@@ -55,6 +55,8 @@ class EngineReady(msgspec.Struct, omit_defaults=True):
     model_path: str
     # The KV cache's size in blocks, decided as the engine started.
     num_kv_blocks: int = 0
+    # The device slots (--max-loras, decided at start-up with auto); 0 without LoRA.
+    max_loras: int = 0
 
 
 class EngineFailed(msgspec.Struct):

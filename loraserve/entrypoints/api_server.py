@@ -47,7 +47,7 @@ from loraserve.entrypoints.protocol import (
 )
 from loraserve.entrypoints.request_logger import RequestLoggingEngine
 from loraserve.entrypoints.request_tokenizer import RequestTokenizer
-from loraserve.entrypoints.server_args import CORSPolicy, ServerArgs
+from loraserve.entrypoints.server_args import CORSPolicy, ServerArgs, check_pinned
 from loraserve.entrypoints.serving_chat import OpenAIServingChat
 from loraserve.entrypoints.serving_common import ModelLimits
 from loraserve.entrypoints.serving_completion import OpenAIServingCompletion
@@ -62,6 +62,7 @@ from loraserve.entrypoints.structured_outputs import GrammarChecker
 from loraserve.entrypoints.tool_parsers.base import load_tool_parser
 from loraserve.lora.resolver import load_resolvers
 from loraserve.metrics import CONTENT_TYPE, ServerMetrics, cache_config_labels
+from loraserve.options import OptionError, flag
 from loraserve.version import __version__
 
 if TYPE_CHECKING:
@@ -340,9 +341,12 @@ def server_metrics(settings: ServerSettings) -> ServerMetrics:
 
 def record_engine_ready(metrics: ServerMetrics, settings: ServerSettings,
                         ready: EngineReady) -> None:
-    """What the metrics learn once the engine is up: the KV cache it sized."""
+    """What the metrics learn once the engine is up: the KV cache it sized, and its
+    device slots (decided then with --max-loras auto)."""
     metrics.set_cache_config(cache_config_labels(settings.engine_config.cache_config,
                                                  ready.num_kv_blocks))
+    if ready.max_loras:
+        metrics.max_loras = ready.max_loras
 
 
 async def serve(settings: ServerSettings, tokenizer: Any) -> int:
@@ -374,8 +378,14 @@ async def serve(settings: ServerSettings, tokenizer: Any) -> int:
             ready.max_model_len,
             resolvers=load_resolvers(settings.lora_resolvers) if allow_runtime else [],
             allow_runtime_updates=allow_runtime,
-            max_loras=lora_config.max_loras if lora_config else None,
+            max_loras=ready.max_loras or None,
         )
+        if lora_config is not None and lora_config.auto_max_loras:
+            # The pins could only be checked against the slots once they were sized.
+            try:
+                check_pinned(settings.lora_modules, ready.max_loras)
+            except OptionError as exc:
+                raise ValueError(exc.named(flag)) from exc
         await models.init_static_loras(settings.lora_modules)
         state = build_server_state(settings, engine, models, request_tokenizer,
                                    ready.max_model_len, metrics)

@@ -198,7 +198,8 @@ class ServerArgs:
         if clash:
             raise OptionError("adapter names {value} clash with the served model name",
                               value=clash)
-        self._check_pinned(modules, engine.max_loras)
+        if engine.max_loras != "auto":  # else decided, and checked, at start-up
+            check_pinned(modules, engine.max_loras)
         self._check_tool_parser()
 
     def _check_tool_parser(self) -> None:
@@ -217,23 +218,26 @@ class ServerArgs:
             except ValueError as exc:
                 raise OptionError("{tool_call_parser}: {error}", error=exc) from exc
 
-    def _check_pinned(self, modules: list[LoRAModulePath], max_loras: int) -> None:
-        pinned = sum(m.pinned for m in modules)
-        if pinned > max_loras:
-            raise OptionError("{pinned} pinned adapters do not fit in {max_loras} {value}",
-                              pinned=pinned, value=max_loras)
-        if pinned < max_loras:
-            return
-        # Pinned adapters never give up their slots: every other adapter would wait
-        # for a slot for ever. Only safe when no other adapter can ever be asked for.
-        others = [what for what, present in (
-            ("the unpinned {lora_modules}", pinned < len(modules)),
-            ("adapters loaded at run time or found by resolvers "
-             f"({envs.ALLOW_RUNTIME_LORA_UPDATING.name})",
-             envs.ALLOW_RUNTIME_LORA_UPDATING.flag()),
-        ) if present]
-        if others:
-            raise OptionError(
-                "{pinned} pinned adapters hold all {max_loras} {value} device slots for good, "
-                f"leaving none for {' or '.join(others)}: pin fewer adapters or raise "
-                "{max_loras}", pinned=pinned, value=max_loras)
+
+def check_pinned(modules: list[LoRAModulePath], max_loras: int) -> None:
+    """Pinned adapters must fit the slots, and leave one to every other adapter
+    that could be asked for."""
+    pinned = sum(m.pinned for m in modules)
+    if pinned > max_loras:
+        raise OptionError("{pinned} pinned adapters do not fit in {max_loras} {value}",
+                          pinned=pinned, value=max_loras)
+    if pinned < max_loras:
+        return
+    # Pinned adapters never give up their slots: every other adapter would wait
+    # for a slot for ever. Only safe when no other adapter can ever be asked for.
+    others = [what for what, present in (
+        ("the unpinned {lora_modules}", pinned < len(modules)),
+        ("adapters loaded at run time or found by resolvers "
+         f"({envs.ALLOW_RUNTIME_LORA_UPDATING.name})",
+         envs.ALLOW_RUNTIME_LORA_UPDATING.flag()),
+    ) if present]
+    if others:
+        raise OptionError(
+            "{pinned} pinned adapters hold all {max_loras} {value} device slots for good, "
+            f"leaving none for {' or '.join(others)}: pin fewer adapters or raise "
+            "{max_loras}", pinned=pinned, value=max_loras)

@@ -18,18 +18,20 @@ cache is sized from gpu_memory_utilization after a profiling pass.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
 
 import torch
 
-from loraserve.config import EngineConfig
+from loraserve.config import EngineConfig, LoRAConfig
 from loraserve.distributed.parallel_state import SINGLE, TensorParallel
 from loraserve.lora.errors import LoRAError
 from loraserve.lora.manager import LoRAManager
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.residency import LoRAResidency
+from loraserve.lora.slot_memory import resolve_max_loras
 from loraserve.model.registry import build_model
 from loraserve.model.rope import head_dim_of
 from loraserve.model.weight_loader import init_dummy_weights, load_weights
@@ -73,6 +75,12 @@ class ModelRunner:
                     self.backend.name)
 
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
+        if config.lora_config is not None and config.lora_config.auto_max_loras:
+            # --max-loras auto: the slots are sized from what the weights left.
+            config = self.config = dataclasses.replace(config, lora_config=resolve_max_loras(
+                config.lora_config, mc.hf_config, self.dtype, self.device,
+                config.cache_config.gpu_memory_utilization,
+                config.scheduler_config.max_num_seqs, tp))
         num_slots = config.lora_config.max_loras if config.lora_config else 1
         self.punica = self.backend.punica_wrapper(self.max_num_tokens, num_slots, self.device)
         # This worker's adapters: CPU cache, device slots, background loads.
@@ -132,34 +140,67 @@ class ModelRunner:
                 # One memory pool for both kinds of graph: only one runs at a time.
                 self.pieces = PiecewiseGraphs(self.ctx, self.max_num_tokens)
                 self.pieces.capture(pool=self.graphs.pool)
+        if self.device.type == "cuda":
+            self._warm_up_eager_steps()
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
         return self.ctx.kv_caches
 
+    @torch.no_grad()
+    def _warm_up_eager_steps(self) -> None:
+        """Compile at start-up the LoRA kernels of the steps that no graph takes:
+        a step of each launch configuration they can meet runs once here, so the
+        first request to meet it does not wait for a compile. The decode graphs
+        take decode steps only; the pieces, other steps up to their largest bucket."""
+        covered = self.pieces.sizes[-1] if self.pieces is not None else 0
+        # The LoRA kernels' configs change with the token count in steps of at least
+        # 2x: sizes sqrt(2) apart meet every one of them.
+        sizes = sorted({min(self.max_num_tokens, round(2 ** (i / 2)))
+                        for i in range(2 * self.max_num_tokens.bit_length() + 1)})
+        # The profiling pass ran the largest step already.
+        seen = {self.ctx.lora_launch_configs(self.max_num_tokens)}
+        start, warmed = time.perf_counter(), []
+        for n in sizes:
+            configs = self.ctx.lora_launch_configs(n)
+            if n <= covered or configs in seen:
+                continue
+            seen.add(configs)
+            self._forward_eager(self._dummy_step(n))
+            warmed.append(n)
+        if warmed:
+            torch.cuda.synchronize(self.device)
+            logger.info("warmed up eager steps of %s tokens in %.1f s",
+                        ", ".join(map(str, warmed)), time.perf_counter() - start)
+
     # ---- memory ------------------------------------------------------------------
 
-    @torch.no_grad()
-    def _profile(self) -> int:
-        """Run the largest step once (LoRA on, if enabled) and return peak bytes."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = self.max_num_tokens
-        # As many sequences as a step may hold, none longer than max_model_len.
+    def _dummy_step(self, n: int) -> PreparedInputs:
+        """A prefill step of n tokens over as many sequences as a step may hold (none
+        longer than max_model_len), writing no KV (slot -1), every token on adapter
+        slot 0 if LoRA is on."""
         max_len = self.config.model_config.max_model_len
         num_seqs = min(n, max(self.config.scheduler_config.max_num_seqs, -(-n // max_len)))
         per_seq = [n // num_seqs + (1 if i < n % num_seqs else 0) for i in range(num_seqs)]
         qsl = [0]
         for count in per_seq:
             qsl.append(qsl[-1] + count)
-        inputs = PreparedInputs(
+        return PreparedInputs(
             input_ids=[0] * n, positions=[p for c in per_seq for p in range(c)],
             slot_mapping=[-1] * n, query_start_loc=qsl, seq_lens=per_seq,
             block_tables=[[0] * -(-c // self.block_size) for c in per_seq],
             token_lora_slots=[0 if self.loras else -1] * n,
             sample_indices=[q - 1 for q in qsl[1:]], is_decode=False,
         )
+
+    @torch.no_grad()
+    def _profile(self) -> int:
+        """Run the largest step once (LoRA on, if enabled) and return peak bytes."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        inputs = self._dummy_step(self.max_num_tokens)
         hidden = self._forward_eager(inputs)
+        num_seqs = len(inputs.seq_lens)
         self.compute_logits(hidden[: num_seqs], inputs.token_lora_slots[: num_seqs])
         del hidden
         torch.cuda.synchronize(self.device)
@@ -359,6 +400,10 @@ class ModelRunner:
         manager = self._lora_manager()
         manager.pin(name)
         return manager.residency()
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA config this worker runs, max_loras decided (--max-loras auto)."""
+        return self.config.lora_config
 
     def lora_residency(self) -> LoRAResidency:
         return self.loras.residency() if self.loras is not None else LoRAResidency()
