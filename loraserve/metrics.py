@@ -288,6 +288,17 @@ class ServerMetrics:
             name("num_cpu_loaded_lora_adapters"),
             "Number of LoRA adapters in the CPU cache.", registry=reg,
         )
+        # Counted when a request reaches the engine, from the engine's running totals.
+        self.lora_cache_hits = Counter(
+            name("lora_cache_hits"),
+            "Requests whose LoRA adapter was in the CPU cache or a device slot when they "
+            "arrived.", registry=reg,
+        )
+        self.lora_cache_misses = Counter(
+            name("lora_cache_misses"),
+            "Requests whose LoRA adapter had to be read from disk first.", registry=reg,
+        )
+        self._lora_cache_seen = (0, 0)
         self.lora_load_time = EngineTotalsHistogram(
             name("lora_adapter_load_seconds"),
             "Histogram of LoRA adapter load time in seconds, from the start of the disk "
@@ -358,6 +369,12 @@ class ServerMetrics:
         self._loaded = loaded
         self.num_gpu_loaded.set(len(on_gpu))
         self.num_cpu_loaded.set(len(set(stats.cpu_lora_adapters)))
+        hits, misses = stats.lora_cache_hits, stats.lora_cache_misses
+        seen_hits, seen_misses = self._lora_cache_seen
+        if hits >= seen_hits and misses >= seen_misses:
+            self.lora_cache_hits.inc(hits - seen_hits)
+            self.lora_cache_misses.inc(misses - seen_misses)
+        self._lora_cache_seen = (hits, misses)
         if stats.lora_load_time_counts:
             self.lora_load_time.set_totals(stats.lora_load_time_counts,
                                            stats.lora_load_time_sum_s)

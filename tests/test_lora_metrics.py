@@ -60,6 +60,31 @@ def test_each_read_from_disk_counts_once(llm, llama_adapters, prompts):
     assert num_loads(llm) == 4
 
 
+def test_requests_count_as_cache_hits_or_misses_when_they_arrive(llm, llama_adapters, prompts):
+    from loraserve.engine.protocol import EngineCoreRequest
+    from loraserve.metrics import ServerMetrics
+
+    core = llm.engine
+    reqs = {n: LoRARequest(n, i + 1, llama_adapters[n])
+            for i, n in enumerate(("r8", "r1", "r16_qv"))}
+    params = SamplingParams(temperature=0, max_tokens=2)
+    # r8 is read from disk first (a miss), then cached (a hit); the base model is
+    # neither; r1 and r16_qv are misses, and r8 then a miss again (two CPU places).
+    for i, name in enumerate(("r8", "r8", None, "r1", "r16_qv", "r8")):
+        core.add_request(EngineCoreRequest(str(i), list(prompts[0]), params, None,
+                                           reqs.get(name)))
+        while core.has_unfinished_requests():
+            core.step()
+    stats = core.get_stats()
+    assert (stats.lora_cache_hits, stats.lora_cache_misses) == (1, 4)
+    metrics = ServerMetrics("m", max_loras=2)
+    for _ in range(2):  # the same totals twice count once
+        metrics.record_stats(stats)
+    text = metrics.render().decode()
+    assert "loraserve:lora_cache_hits_total 1.0" in text
+    assert "loraserve:lora_cache_misses_total 4.0" in text
+
+
 def _wait_for_reads(core) -> None:
     """Until the worker's background reads are done (not yet committed)."""
     store = core.executor.driver.loras.store

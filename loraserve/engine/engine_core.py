@@ -67,6 +67,9 @@ class EngineCore:
             EngineAdapters(self.executor) if config.lora_config is not None else None)
         # Runtime adds (API loads) that ended, for core_proc to answer.
         self._finished_adds: list[tuple[LoRARequest, LoRAError | None]] = []
+        # Requests whose adapter was ready when they came, and those that waited for
+        # a read (the metrics' CPU cache hits and misses).
+        self._lora_cache_counts = [0, 0]
         self.kv = KVBlockManager(self.executor.num_kv_blocks, config.cache_config.block_size,
                                  config.cache_config.enable_prefix_caching)
         lc = config.lora_config
@@ -118,8 +121,11 @@ class EngineCore:
         self.structured.add_request(req)
         self.scheduler.add_request(req)
         name = req.lora_name
-        if name is not None and not self.adapters.is_ready(name):
-            self.adapters.start_loads([req.lora_request])
+        if name is not None:
+            ready = self.adapters.is_ready(name)
+            self._lora_cache_counts[0 if ready else 1] += 1
+            if not ready:
+                self.adapters.start_loads([req.lora_request])
 
     def _check_request(self, ecr: EngineCoreRequest) -> None:
         """Everything a step does per request must be possible: an id outside the
@@ -506,6 +512,7 @@ class EngineCore:
             stats.pinned_lora_adapters = sorted(resident.pinned)
             stats.lora_load_time_counts = list(resident.load_time_counts)
             stats.lora_load_time_sum_s = resident.load_time_sum_s
+            stats.lora_cache_hits, stats.lora_cache_misses = self._lora_cache_counts
         return stats
 
     def shutdown(self) -> None:

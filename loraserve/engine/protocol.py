@@ -92,6 +92,10 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     lora_load_time_sum_s: float = 0.0
     # Prefix caching totals since start-up: (prompt tokens looked up, tokens found).
     prefix_cache_tokens: tuple[int, int] = (0, 0)
+    # Running totals: requests whose adapter was ready (in the CPU cache or a device
+    # slot) when they arrived, and those whose adapter had to be read from disk.
+    lora_cache_hits: int = 0
+    lora_cache_misses: int = 0
     # Every launched step since start-up, per bucket of the distinct adapters it ran
     # (loraserve.engine.step_stats' buckets plus one above them), and their total.
     step_lora_adapter_counts: list[int] = msgspec.field(default_factory=list)

@@ -386,7 +386,10 @@ async def serve(settings: ServerSettings, tokenizer: Any) -> int:
                 check_pinned(settings.lora_modules, ready.max_loras)
             except OptionError as exc:
                 raise ValueError(exc.named(flag)) from exc
-        await models.init_static_loras(settings.lora_modules)
+        if lora_config is not None:
+            await models.init_static_loras(
+                settings.lora_modules, lora_config.max_cpu_loras or ready.max_loras,
+                lora_config.max_lora_rank)
         state = build_server_state(settings, engine, models, request_tokenizer,
                                    ready.max_model_len, metrics)
         config = uvicorn.Config(

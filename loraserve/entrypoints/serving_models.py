@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from dataclasses import dataclass
 
 import msgspec
@@ -27,7 +28,8 @@ from loraserve.entrypoints.protocol import (
     ModelList,
     UnloadLoRAAdapterRequest,
 )
-from loraserve.lora.errors import LoRANotFoundError
+from loraserve.lora.errors import LoRAError, LoRANotFoundError
+from loraserve.lora.peft_config import check_config_rank, read_peft_config
 from loraserve.lora.request import LoRARequest, lora_name_error
 from loraserve.lora.resolver import LoRAResolver
 
@@ -87,24 +89,39 @@ class ServingModels:
         last = max((lora.lora_int_id for lora in self.loras.values()), default=0)
         self._ids = itertools.count(last + 1)
 
-    async def init_static_loras(self, modules: list[LoRAModulePath]) -> None:
-        """Load the `--lora-modules` adapters; any failure stops start-up."""
-        for module in modules:
-            request = LoRARequest(
-                lora_name=module.name,
-                lora_int_id=next(self._ids),
-                lora_path=module.path,
-                base_model_name=module.base_model_name or self.base_model_name,
-            )
-            try:
-                await self.engine.add_lora(request, pinned=module.pinned)
-            except EngineUtilityError as exc:
-                raise ValueError(f"--lora-modules {module.name}={module.path}: {exc}") from exc
-            self.loras[module.name] = request
-            if module.pinned:
-                self.pinned.add(module.name)
-            logger.info("LoRA adapter %s loaded from %s%s", module.name, module.path,
-                        " (pinned)" if module.pinned else "")
+    async def init_static_loras(self, modules: list[LoRAModulePath], preload: int,
+                                max_lora_rank: int) -> None:
+        """Serve the `--lora-modules` adapters. The pinned ones and the first
+        `preload` others (what the CPU cache holds) are read now, side by side;
+        the rest are registered, their adapter_config.json checked, and read on
+        first use, so that a thousand adapters start in seconds. Any failure (of a
+        read, or of a check) stops start-up."""
+        requests = [(module, LoRARequest(
+            lora_name=module.name,
+            lora_int_id=next(self._ids),
+            lora_path=module.path,
+            base_model_name=module.base_model_name or self.base_model_name,
+        )) for module in modules]
+        unpinned = [pair for pair in requests if not pair[0].pinned]
+        later = unpinned[max(0, preload - (len(requests) - len(unpinned))):]
+        for module, _ in later:
+            _check_adapter_config(module, max_lora_rank)
+        await asyncio.gather(*(self._load_static(module, request) for module, request in requests
+                               if module.pinned or (module, request) not in later))
+        self.loras.update((module.name, request) for module, request in requests)
+        if later:
+            logger.info("%d more LoRA adapters registered; each is read on first use",
+                        len(later))
+
+    async def _load_static(self, module: LoRAModulePath, request: LoRARequest) -> None:
+        try:
+            await self.engine.add_lora(request, pinned=module.pinned)
+        except EngineUtilityError as exc:
+            raise ValueError(f"--lora-modules {module.name}={module.path}: {exc}") from exc
+        if module.pinned:
+            self.pinned.add(module.name)
+        logger.info("LoRA adapter %s loaded from %s%s", module.name, module.path,
+                    " (pinned)" if module.pinned else "")
 
     async def resolve(self, model: str | None) -> LoRARequest | None:
         """The LoRARequest for a request's model field; None for the base model."""
@@ -258,3 +275,18 @@ def load_error(exc: EngineUtilityError) -> APIError:
     if exc.error_type == LoRANotFoundError.__name__:
         return not_found(str(exc), param="lora_path")
     return bad_request(str(exc), param="lora_path")
+
+
+def _check_adapter_config(module: LoRAModulePath, max_lora_rank: int) -> None:
+    """What can be checked of an adapter without reading its weights: its
+    adapter_config.json (in a local folder; a Hub repo is fetched on first use)."""
+    path = os.path.expanduser(module.path)
+    if not os.path.isdir(path):
+        if os.path.exists(path) or path.startswith(("/", "./", "../")):
+            raise ValueError(f"--lora-modules {module.name}={module.path}: no adapter "
+                             "directory at that path")
+        return
+    try:
+        check_config_rank(module.name, read_peft_config(module.name, path), max_lora_rank)
+    except LoRAError as exc:
+        raise ValueError(f"--lora-modules {module.name}={module.path}: {exc}") from exc

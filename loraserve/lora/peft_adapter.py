@@ -13,7 +13,12 @@ from safetensors import SafetensorError, safe_open
 
 from loraserve.lora.errors import LoRAError, LoRANotFoundError, rank_too_large
 from loraserve.lora.moe_adapter import ExpertsInfo, experts_path_of, load_expert_loras
-from loraserve.lora.peft_config import CONFIG_FILE, PeftConfig, read_peft_config
+from loraserve.lora.peft_config import (
+    CONFIG_FILE,
+    PeftConfig,
+    check_config_rank,
+    read_peft_config,
+)
 from loraserve.lora.request import LoRARequest
 
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -127,7 +132,7 @@ def load_lora_model(
     name = lora_request.lora_name
     adapter_dir = resolve_adapter_path(lora_request)
     config = read_peft_config(name, adapter_dir)
-    _check_config_rank(name, config, max_lora_rank)
+    check_config_rank(name, config, max_lora_rank)
     _check_target_modules(name, config, info)
     weights_path = Path(adapter_dir) / WEIGHTS_FILE
     if not weights_path.exists():
@@ -294,18 +299,6 @@ def _check_scaled_gain(name: str, modules: dict, dtype: torch.dtype) -> None:
 
 def _finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor).all())
-
-
-def _check_config_rank(name: str, config: PeftConfig, max_lora_rank: int) -> None:
-    """The ranks the config declares must fit, not only the tensors' ranks: an `r`
-    above the limit with smaller tensors is an adapter that does not match its
-    own config."""
-    ranks = {"r": config.r}
-    for pattern, rank in config.rank_pattern.items():
-        ranks[f"rank_pattern[{pattern!r}]"] = rank
-    for field_name, rank in ranks.items():
-        if rank > max_lora_rank:
-            raise rank_too_large(name, rank, max_lora_rank, f"{field_name} in {CONFIG_FILE}")
 
 
 def _check_target_modules(name: str, config: PeftConfig, info: ModelLoRAInfo) -> None:

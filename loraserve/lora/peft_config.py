@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraserve.lora.errors import LoRAError, LoRANotFoundError
+from loraserve.lora.errors import LoRAError, LoRANotFoundError, rank_too_large
 
 CONFIG_FILE = "adapter_config.json"
 
@@ -118,3 +118,15 @@ def _positive_int(lora_name: str, what: str, value: object) -> int:
     if _is_number(value) and float(value).is_integer() and value >= 1:
         return int(value)
     raise LoRAError(lora_name, f"{CONFIG_FILE}: {what} must be a positive integer, got {value!r}")
+
+
+def check_config_rank(name: str, config: PeftConfig, max_lora_rank: int) -> None:
+    """The ranks the config declares must fit, not only the tensors' ranks: an `r`
+    above the limit with smaller tensors is an adapter that does not match its
+    own config."""
+    ranks = {"r": config.r}
+    for pattern, rank in config.rank_pattern.items():
+        ranks[f"rank_pattern[{pattern!r}]"] = rank
+    for field_name, rank in ranks.items():
+        if rank > max_lora_rank:
+            raise rank_too_large(name, rank, max_lora_rank, f"{field_name} in {CONFIG_FILE}")
