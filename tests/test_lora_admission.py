@@ -91,13 +91,25 @@ def test_an_adapter_still_in_a_slot_goes_before_one_that_needs_a_copy(policy, fi
     assert [r.lora_name for r, _ in out.scheduled] == ["a", first]
 
 
-def test_swaps_and_evictions_under_slot_aware_scheduling_match_peft(
-        llama_dir, llama_adapters, prompts):
-    """Four adapters and the base on two slots and three CPU cache entries, with a
-    short wait bound: adapters are drained, evicted and loaded again mid-run, and
-    every request's tokens are transformers+PEFT's."""
+def _mixed_run(llm, llama_dir, llama_adapters, prompts) -> None:
+    """Each prompt with every adapter and the base, interleaved; every request's
+    tokens are transformers+PEFT's."""
     names = list(llama_adapters)
-    llm = LLM(llama_dir, enable_lora=True, max_loras=2, max_cpu_loras=3, max_lora_rank=16,
+    batch = [(p, n) for p in prompts[:3] for n in (*names, None, names[0], names[1])]
+    loras = [LoRARequest(n, names.index(n) + 1, llama_adapters[n]) if n else None
+             for _, n in batch]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], params, loras,
+                        use_tqdm=False)
+    for (prompt, name), out in zip(batch, outs, strict=True):
+        want = hf_greedy(llama_dir, llama_adapters[name] if name else None, prompt, 6)
+        assert out.outputs[0].token_ids == want, name
+
+
+def test_drained_adapters_and_slot_swaps_match_peft(llama_dir, llama_adapters, prompts):
+    """Four adapters and the base on two slots, with a short wait bound: adapters
+    are drained and swapped in and out of the slots mid-run."""
+    llm = LLM(llama_dir, enable_lora=True, max_loras=2, max_cpu_loras=4, max_lora_rank=16,
               lora_scheduling="slot-aware", max_lora_wait_steps=2, max_num_seqs=6)
     drained = []
     admission = llm.engine.scheduler.admission
@@ -109,13 +121,16 @@ def test_swaps_and_evictions_under_slot_aware_scheduling_match_peft(
         drained.extend(admission.draining - before)
 
     admission._drain_for = counting
-    batch = [(p, n) for p in prompts[:3] for n in (*names, None, names[0], names[1])]
-    loras = [LoRARequest(n, names.index(n) + 1, llama_adapters[n]) if n else None
-             for _, n in batch]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], params, loras,
-                        use_tqdm=False)
+    _mixed_run(llm, llama_dir, llama_adapters, prompts)
     assert drained, "no adapter was drained: the run did not exercise the bound"
-    for (prompt, name), out in zip(batch, outs, strict=True):
-        want = hf_greedy(llama_dir, llama_adapters[name] if name else None, prompt, 6)
-        assert out.outputs[0].token_ids == want, name
+
+
+def test_cpu_cache_evictions_under_slot_aware_scheduling_match_peft(
+        llama_dir, llama_adapters, prompts):
+    """Two CPU cache places for four adapters: evicted adapters are read again in
+    the background while the others run."""
+    llm = LLM(llama_dir, enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=16,
+              lora_scheduling="slot-aware", max_lora_wait_steps=2, max_num_seqs=6)
+    _mixed_run(llm, llama_dir, llama_adapters, prompts)
+    # Some adapter left the CPU cache and was read again.
+    assert sum(llm.engine.get_stats().lora_load_time_counts) > len(llama_adapters)
