@@ -169,6 +169,33 @@ def test_async_scheduling_gives_the_lockstep_answers(llm, llama_dir, loras, prom
     assert got == [(o.token_ids, o.finish_reason) for o in _outputs(lockstep, batch)]
 
 
+def test_grammar_rows_are_sampled_after_their_step_is_launched(llm, loras, prompts,
+                                                               monkeypatch):
+    """A grammar row's mask needs the token still in flight: its row is sampled once
+    that token is accepted, after its own step was launched, so steps keep
+    overlapping; the masked logprobs come back with it (greedy: the chosen token
+    is the most likely of them)."""
+    engine = llm.engine
+    deferred, overlapped = [], []
+    sample, can_overlap = engine.executor.sample_deferred, engine._can_overlap
+    monkeypatch.setattr(engine.executor, "sample_deferred",
+                        lambda masks: (deferred.append(len(masks)), sample(masks)))
+    monkeypatch.setattr(engine, "_can_overlap",
+                        lambda: overlapped.append(can_overlap()) or overlapped[-1])
+    json_params = SamplingParams(temperature=0, max_tokens=64, logprobs=2,
+                                 structured_outputs=CONSTRAINTS["json"][0])
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    batch = [(prompts[0], json_params, loras[1]), (prompts[1], free, None),
+             (prompts[2], json_params, None), (prompts[3], free, loras[2])]
+    outs = _outputs(llm, batch)
+    assert deferred and max(deferred) == 2
+    assert overlapped and all(overlapped)
+    for out in (outs[0], outs[2]):
+        assert CONSTRAINTS["json"][1](out.text), out.text
+        for token, position in zip(out.token_ids, out.logprobs, strict=True):
+            assert position[token] == max(position.values())
+
+
 def _request(request_id: str, prompt: list[int], params: SamplingParams,
              eos: int | None) -> EngineCoreRequest:
     return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt,

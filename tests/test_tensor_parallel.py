@@ -88,6 +88,27 @@ def test_seeded_sampling_matches_tp1(llama_dir, tp_adapters, prompts):
             == _run(llama_dir, ids, loras, params, **engine))
 
 
+def test_structured_outputs_match_tp1(llama_dir, tp_adapters, prompts):
+    """Grammar rows are sampled by rank 0 after the step is launched; the other rank
+    takes their tokens for the next step like any other."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from loraserve.structured_output.params import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=24,
+                            structured_outputs=StructuredOutputsParams(regex="[a-z]{3,20}"))
+    batch = _batch(prompts[:2], {"qv": tp_adapters["qv"]})
+    ids, loras = [p for p, _ in batch], [lora for _, lora in batch]
+    engine = dict(enable_lora=True, max_lora_rank=16, max_loras=1)
+    got = _run(llama_dir, ids, loras, params, tensor_parallel_size=2, **engine)
+    assert got == _run(llama_dir, ids, loras, params, **engine)
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    for tokens in got:
+        assert re.fullmatch("[a-z]{3,20}", tok.decode(tokens, skip_special_tokens=True))
+
+
 @pytest.mark.parametrize("engine,message", [
     (dict(tensor_parallel_size=3), "does not divide the model's num_attention_heads 4"),
     (dict(tensor_parallel_size=0), "must be a positive integer"),

@@ -291,6 +291,8 @@ class EngineCore:
         if self._in_flight is not None:
             self._finish(self._take_in_flight(), outputs)
         if launched is not None:
+            # Its grammar rows' masks need the tokens just read back.
+            self._complete_deferred(launched)
             if self.config.async_scheduling:
                 self._in_flight = launched
             else:
@@ -301,14 +303,13 @@ class EngineCore:
         return launched
 
     def _can_overlap(self) -> bool:
-        """Penalties and multi-token bad words read a request's output, and a
-        grammar's token mask needs the last token accepted: those steps wait for the
-        last one."""
+        """Penalties and multi-token bad words read a request's output: those steps
+        wait for the last one. (A grammar's token mask needs the last token too, but
+        only at sampling: its row is sampled after the step is launched, see
+        _complete_deferred.)"""
         if not self.config.async_scheduling:
             return False
-        return not any(r.sampling_params.reads_output_tokens
-                       or self.structured.waits_for_sampled_tokens(r)
-                       for r in self.scheduler.running)
+        return not any(r.sampling_params.reads_output_tokens for r in self.scheduler.running)
 
     def _launch_isolating(
         self, scheduled: list[tuple[Request, int]], outputs: list[EngineCoreOutput]
@@ -343,7 +344,6 @@ class EngineCore:
         through, so a failed launch can be retried as if it never happened."""
         seqs = []
         sampled_reqs = []
-        sampling_rows = []
         prompt_reqs: list[tuple[Request, int]] = []  # and the positions they read
         for req, n in scheduled:
             start = req.num_computed_tokens
@@ -365,10 +365,8 @@ class EngineCore:
             ))
             if samples:
                 sampled_reqs.append(req)
-                sampling_rows.append(seqs[-1].sampling)
-        for row, mask in zip(sampling_rows, self.structured.token_masks(sampled_reqs),
-                             strict=True):
-            row.token_mask = mask
+                # A grammar's mask needs the token still in flight: sampled later.
+                seqs[-1].sampling.deferred = req.grammar is not None
         step = StepInput(seqs, frozenset(self.scheduler.running_loras()))
         out = self.executor.execute(step)
         if self.adapters is not None:
@@ -382,11 +380,26 @@ class EngineCore:
             req.num_pending += 1
         for req, sent in prompt_reqs:
             req.num_prompt_logprobs_sent = sent
-        return _LaunchedStep(sampled_reqs, batch, [r for r, _ in prompt_reqs], prompt_batch)
+        return _LaunchedStep(sampled_reqs, batch, [r for r, _ in prompt_reqs], prompt_batch,
+                             [r for r in sampled_reqs if r.grammar is not None])
+
+    def _complete_deferred(self, launched: _LaunchedStep) -> None:
+        """Sample a launched step's grammar rows, once every token before theirs is
+        accepted by their matchers (the step before was read back): the device
+        computed the step meanwhile. A request that ended meanwhile is sampled
+        without a mask, and its token dropped."""
+        if not launched.deferred:
+            return
+        reqs, launched.deferred = launched.deferred, []
+        live = [r for r in reqs
+                if r.status is not RequestStatus.FINISHED and not self.structured.completed(r)]
+        masks = dict(zip(live, self.structured.token_masks(live), strict=True))
+        self.executor.sample_deferred([masks.get(r) for r in reqs])
 
     def _finish(self, launched: _LaunchedStep, outputs: list[EngineCoreOutput]) -> None:
         """Read a launched step's tokens (and prompt logprobs) back and hand them to
         their requests."""
+        self._complete_deferred(launched)
         if launched.batch is None and launched.prompt_batch is None:
             return
         try:
@@ -527,6 +540,8 @@ class _LaunchedStep:
     # Those that read prompt logprobs, in the prompt batch's order.
     prompt_requests: list[Request] = field(default_factory=list)
     prompt_batch: PromptLogprobsBatch | None = None
+    # Those whose rows wait for their grammars' masks (sampled by _complete_deferred).
+    deferred: list[Request] = field(default_factory=list)
 
 
 def _prompt_logprobs_input(req: Request, start: int, n: int) -> PromptLogprobsInput | None:

@@ -5,6 +5,14 @@ scheduler leaves it waiting until then, like a request whose adapter is loading,
 and runs the others), then a matcher of its own. Each step the matchers of the
 rows that sample fill that step's token masks; each sampled token advances its
 request's matcher, and a matcher that reaches its end ends the request.
+
+With async scheduling a step is launched before the step in flight is read back,
+so a row's mask (which needs that step's token) is not known at launch: the
+engine marks grammar rows deferred, the runner samples the others with the step
+and keeps the grammar rows' logits, and once the step before is read back and its
+tokens accepted, the engine fills the masks and the runner samples those rows
+(ModelRunner.sample_deferred), before the next step is launched. The device
+computes the step meanwhile; nothing waits for it.
 """
 
 from __future__ import annotations
@@ -72,13 +80,6 @@ class StructuredOutputManager:
                                     f"({type(error).__name__}: {error})"))
         self._compiling = compiling
         return failed
-
-    @staticmethod
-    def waits_for_sampled_tokens(req: Request) -> bool:
-        """Whether the request's next token mask needs the token its last step
-        sampled (accepted by its matcher): a step that runs such a request cannot
-        be launched before the step in flight is read back."""
-        return req.grammar is not None
 
     def token_masks(self, reqs: list[Request]) -> list[TokenMask | None]:
         """The token masks of the requests that sample this step (None for those

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+from loraserve.structured_output.bitmask import TokenMask
 from loraserve.worker.input_batch import StepInput, StepOutput
 from loraserve.worker.model_runner import ModelRunner
 
@@ -34,6 +35,11 @@ class Executor(ABC):
     @abstractmethod
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run a public ModelRunner method on every rank; rank 0's answer."""
+
+    def sample_deferred(self, masks: list[TokenMask | None]) -> None:
+        """Sample the last step's deferred rows with these masks: rank 0 alone
+        samples, so no other rank takes part."""
+        self.driver.sample_deferred(masks)
 
     def check(self, cause: BaseException | None = None) -> None:
         """Raise TensorParallelError if a rank died, or if `cause` (what a step

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -35,17 +36,34 @@ from loraserve.lora.slot_memory import resolve_max_loras
 from loraserve.model.registry import build_model
 from loraserve.model.rope import head_dim_of
 from loraserve.model.weight_loader import init_dummy_weights, load_weights
+from loraserve.structured_output.bitmask import TokenMask
 from loraserve.worker.attention import allocate_kv_cache, kv_block_bytes
 from loraserve.worker.backend import select_backend
 from loraserve.worker.forward_context import ForwardContext, PendingTokens
 from loraserve.worker.input_batch import PENDING_TOKEN, PreparedInputs, StepInput, StepOutput
 from loraserve.worker.piecewise_graphs import PiecewiseGraphs
-from loraserve.worker.sampler import Sampler, prompt_logprobs
+from loraserve.worker.sampler import (
+    DEFERRED_PLACEHOLDER,
+    SampledBatch,
+    Sampler,
+    SamplingRow,
+    prompt_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
 # CPU has no memory profile to size against: cap the KV cache at this much.
 _CPU_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass
+class _DeferredRows:
+    """Rows of a step's sampled batch still to be sampled, with their logits."""
+
+    batch: SampledBatch
+    index: list[int]  # their rows in the batch
+    logits: torch.Tensor
+    rows: list[SamplingRow]
 
 
 class ModelRunner:
@@ -107,6 +125,8 @@ class ModelRunner:
         # The last step's sampled ids on the device, and each request's row there.
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
+        # The last step's rows that wait for their masks (sample_deferred).
+        self._deferred: _DeferredRows | None = None
 
         # A scratch KV cache of one block serves the profiling pass.
         self.ctx = ForwardContext(
@@ -248,6 +268,8 @@ class ModelRunner:
     def execute(self, step: StepInput) -> StepOutput:
         """Give the step's adapters device slots, then queue its forward pass and
         sampling on the device without waiting for them. Only rank 0 samples."""
+        # Rows of a step that failed, about to be run again, are not sampled.
+        self._deferred = None
         slots = (self.loras.set_active(step.lora_names(), step.running_loras)
                  if self.loras is not None else {})
         inputs = self.prepare(step, slots)
@@ -296,12 +318,11 @@ class ModelRunner:
             logits = graphs.run(inputs)
             if not self.tp.is_driver:
                 return out
-            rows = [s.sampling for s in sampling]
+            rows = self._sampled_now(logits, [s.sampling for s in sampling])
             if self.sampler.argmax_suffices(rows):
                 # The graph took the argmax already, into graphs.sampled.
                 out.sampled = self.sampler.from_argmax(graphs.sampled[: len(rows)])
-                self._last_sampled = out.sampled.token_ids
-                return out
+                return self._keep(out)
         else:
             hidden = self._forward(inputs)
             if not self.tp.is_driver:
@@ -315,16 +336,48 @@ class ModelRunner:
             if not sampling:
                 self._last_sampled = None
                 return out
-            rows = [s.sampling for s in sampling]
             logits = self.compute_logits(
                 hidden[self.ctx.to_device(inputs.sample_indices)],
                 [inputs.token_lora_slots[i] for i in inputs.sample_indices])
+            rows = self._sampled_now(logits, [s.sampling for s in sampling])
         out.sampled = self.sampler.sample(logits, rows)
         if graphs is not None:
             # A decode graph takes the next step's pending tokens from there.
             graphs.sampled[: len(rows)].copy_(out.sampled.token_ids)
+        return self._keep(out)
+
+    def _sampled_now(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SamplingRow]:
+        """The rows to sample with the step: deferred rows keep a copy of their
+        logits for sample_deferred and stand in as placeholders meanwhile."""
+        index = [i for i, row in enumerate(rows) if row.deferred]
+        if not index:
+            return rows
+        saved = logits.index_select(0, self.ctx.to_device(index)).float()
+        self._deferred = _DeferredRows(None, index, saved, [rows[i] for i in index])
+        return [DEFERRED_PLACEHOLDER if row.deferred else row for row in rows]
+
+    def _keep(self, out: StepOutput) -> StepOutput:
         self._last_sampled = out.sampled.token_ids
+        if self._deferred is not None:
+            self._deferred.batch = out.sampled
         return out
+
+    @torch.no_grad()
+    def sample_deferred(self, masks: list[TokenMask | None]) -> None:
+        """Sample the last step's deferred rows, now that their masks are known (one
+        per row, None: unconstrained), into its batch and where the next step takes
+        its pending tokens from. Before the next step runs; rank 0 only."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return
+        for row, mask in zip(deferred.rows, masks, strict=True):
+            row.token_mask = mask
+        late = self.sampler.sample(deferred.logits, deferred.rows)
+        index = self.ctx.to_device(deferred.index)
+        deferred.batch.token_ids.index_copy_(0, index, late.token_ids)
+        if self.graphs is not None:
+            self.graphs.sampled.index_copy_(0, index, late.token_ids)
+        deferred.batch.patches.append((deferred.index, late))
 
     def _uses_graph(self, inputs: PreparedInputs) -> bool:
         # A sequence reading prompt logits has a chunk without sampling or longer

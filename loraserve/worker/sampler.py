@@ -19,7 +19,7 @@ nothing more.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,9 @@ class SamplingRow:
     num_pending: int = 0
     # Structured outputs: the tokens its grammar allows next.
     token_mask: TokenMask | None = None
+    # Structured outputs: the mask depends on the token still in flight, so the step
+    # samples this row later (ModelRunner.sample_deferred), once the mask is known.
+    deferred: bool = False
 
 
 @dataclass
@@ -61,6 +64,8 @@ class SampledBatch:
     top_ids: torch.Tensor | None = None  # [B, n]
     top_vals: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
+    # Rows sampled after the step (deferred rows): their own batch replaces them.
+    patches: list[tuple[list[int], SampledBatch]] = field(default_factory=list)
 
     def to_host(self) -> SamplerOutput:
         if self.ready is not None:
@@ -78,7 +83,16 @@ class SampledBatch:
                 if n:
                     entry += list(zip(top_ids[i][:n], top_vals[i][:n], strict=True))
                 logprobs[i] = entry
+        for rows, patch in self.patches:
+            patched = patch.to_host()
+            for j, i in enumerate(rows):
+                sampled[i], logprobs[i] = patched.token_ids[j], patched.logprobs[j]
         return SamplerOutput(sampled, logprobs)
+
+
+# A deferred row's stand-in when its step samples: the cheapest draw (an argmax),
+# overwritten once the row is sampled with its mask.
+DEFERRED_PLACEHOLDER = SamplingRow(SamplingParams(temperature=0.0), [], [], None, None)
 
 
 def _queued(batch: SampledBatch) -> SampledBatch:
