@@ -93,14 +93,15 @@ def resolver_dir(workdir, llama_adapters) -> str:
 
 @pytest.fixture(scope="module")
 def server(llama_dir, llama_adapters, fragile, resolver_dir, slow_adapters):
-    # Four start-up adapters and room for two in CPU memory: `fragile` and `slow`
-    # are evicted at once, so their first requests load them in the background.
+    # Four start-up adapters and room for two in CPU memory: the first two are read
+    # at start-up, `fragile` and `slow` only registered, so their first requests
+    # load them in the background.
     with ServerProcess(
         [
             llama_dir, "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "2",
             "--served-model-name", "base",
-            "--lora-modules", f"fragile={fragile}", f"slow={slow_adapters['slow'].dir}",
-            f"a1={llama_adapters['r8']}", f"a3={llama_adapters['r1']}",
+            "--lora-modules", f"a1={llama_adapters['r8']}", f"a3={llama_adapters['r1']}",
+            f"fragile={fragile}", f"slow={slow_adapters['slow'].dir}",
         ],
         env={
             "LORASERVE_ALLOW_RUNTIME_LORA_UPDATING": "true",
