@@ -51,9 +51,11 @@ class _ReadStarts:
 
 class AdapterStore:
     def __init__(self, lora_config: LoRAConfig, info: ModelLoRAInfo,
-                 num_load_threads: int = 2) -> None:
+                 num_load_threads: int = 2, pin_memory: bool = False) -> None:
+        """pin_memory: keep the adapters in page-locked memory (for a CUDA device)."""
         self.config = lora_config
         self.info = info
+        self.pin_memory = pin_memory
         self.cache: LRUCache[LoRAModel] = LRUCache(lora_config.max_cpu_loras)
         self._loader = ThreadPoolExecutor(num_load_threads, thread_name_prefix="lora-load")
         self._loading: dict[str, tuple[LoRARequest, Future]] = {}
@@ -82,6 +84,8 @@ class AdapterStore:
             raise
         except Exception as e:  # corrupt files and the like: still the adapter's fault
             raise _as_lora_error(lora_request.lora_name, e) from e
+        if self.pin_memory:
+            lora.pin_memory()
         self._read_starts.mark(lora, started)
         return lora
 

@@ -37,10 +37,11 @@ class LoRAManager:
         punica: PunicaWrapper,
         num_load_threads: int = 2,
         logits_punica: PunicaWrapper | None = None,
+        pin_memory: bool = False,
     ) -> None:
         self.config = lora_config
         self.wrappers, self.info = wrap_model(model, lora_config, punica, logits_punica)
-        self.store = AdapterStore(lora_config, self.info, num_load_threads)
+        self.store = AdapterStore(lora_config, self.info, num_load_threads, pin_memory)
         self.slots = DeviceSlots(lora_config.max_loras, self.wrappers)
         self._reported = -1  # the change count of the last residency report
 

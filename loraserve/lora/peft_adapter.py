@@ -65,6 +65,13 @@ class LoRAModel:
                     total += t.numel() * t.element_size()
         return total
 
+    def pin_memory(self) -> None:
+        """Page-lock the tensors: a copy from them into a device slot then runs
+        without holding up the host (from pageable memory it waits for the copy)."""
+        for m in self.modules.values():
+            m.lora_a = [t.pin_memory() if t is not None else None for t in m.lora_a]
+            m.lora_b = [t.pin_memory() if t is not None else None for t in m.lora_b]
+
 
 @dataclass
 class ModelLoRAInfo:

@@ -110,7 +110,8 @@ class ModelRunner:
                 self.logits_punica = self.backend.punica_wrapper(
                     self.max_num_tokens, num_slots, self.device)
             self.loras = LoRAManager(self.model, config.lora_config, self.punica,
-                                     logits_punica=self.logits_punica)
+                                     logits_punica=self.logits_punica,
+                                     pin_memory=self.device.type == "cuda")
 
         hf = mc.hf_config
         self.num_layers = hf.num_hidden_layers
