@@ -1,4 +1,4 @@
-"""Serving benchmark against a running `loraserve serve`.
+r"""Serving benchmark against a running `loraserve serve`.
 
 Sends --num-requests streamed completions (random token-id prompts of --input-len,
 exactly --output-len tokens each through ignore_eos), each to the base model or to
@@ -46,16 +46,19 @@ phases with --structured-fraction of them, at the same load, and reports
 ``Constrained/plain TPOT`` (the constrained requests' TPOT p50 and p99 over the
 plain phase's) and ``Unconstrained-in-mixed/plain TPOT`` (the unconstrained
 requests' of the schema phase over the plain phase's), each the median over the
-pairs of a plain phase and the schema phase after it. A server with random
-weights needs ``--structured-outputs-config '{"disable_any_whitespace": true}'``,
-or its JSON may be whitespace up to max_tokens.
+pairs (the k-th plain phase with the k-th schema phase). The model's tokenizer
+must be able to spell JSON (``make_bench_setup --tokenizer bytes`` writes one for
+the Llama-3-8B shape); a server with random weights needs
+``--structured-outputs-config '{"disable_any_whitespace": true}'``, or its JSON
+may be whitespace up to max_tokens.
 
 ``--results-md FILE --label NAME`` appends the run's figures to a markdown table
 with its command (and --server-command, the server's).
 
 load.py generates the load, runs.py finds what the server serves and runs the
-phases, server_metrics.py reads the server's /metrics, report.py computes and
-prints the results.
+phases, structured.py picks the constrained requests and checks their answers,
+server_metrics.py reads the server's /metrics, report.py computes and prints the
+results.
 """
 
 from __future__ import annotations
