@@ -45,6 +45,15 @@
 #             concurrency 4 (ITL at low load), 16 and 64 and at a Poisson rate (RATE,
 #             default 16/s); input 128-1024, output 64-256 tokens (SERVE_BENCHES picks
 #             some by name, SERVER_ARGS adds server flags); once per mode of GRAPH_MODES
+#   structured  a base server (--max-num-seqs 64, on a byte-level tokenizer that can write
+#             JSON) under serve/'s load at concurrency 32, input 128-512, output 128:
+#             alternating plain phases and phases where STRUCT_FRACTIONS of the requests
+#             (default "0.03125 0.25": 1 in 32, then 1 in 4; one run each) carry a JSON
+#             schema; the TPOT of constrained and of unconstrained requests against the
+#             plain phases' (STRUCT_REQUESTS per phase, default 256; STRUCT_PHASES, default
+#             plain,schema,plain,schema; STRUCT_TIMEOUT a run, default 90 s; about 3
+#             minutes in all with the server's start; STRUCT_SERVER_ARGS adds server
+#             flags), rows in structured.md
 #   steps     base against LoRA per kind of step: host, wall and GPU kernel time of decode
 #             steps and of decode plus a prefill chunk (profile/steps.py; STEPS_ARGS);
 #             once per mode of GRAPH_MODES
@@ -251,6 +260,42 @@ if has serve; then
         --output-len 64:256
     kill -INT $server; wait $server
   done
+fi
+
+if has structured; then
+  # Structured outputs under continuous load: plain phases (no schema) and schema phases
+  # (a fraction of the requests with a JSON schema) alternate on one base server. The
+  # model's usual made-up tokenizer (one word a token) cannot spell JSON: this one is
+  # byte-level. Random weights would write whitespace between JSON tokens up to
+  # max_tokens: the server allows none, so each answer is JSON that ends by itself.
+  stamp structured
+  python3 -m benchmarks.make_bench_setup --out /tmp/bench/bytes --num-adapters 0 \
+      --tokenizer bytes > "$OUT/structured_setup.log" 2>&1
+  STRUCT_CONFIG='{"disable_any_whitespace": true}'
+  python3 -m loraserve.cli serve /tmp/bench/bytes/llama3-8b-shape --load-format dummy \
+      --max-num-seqs 64 --port 8013 --structured-outputs-config "$STRUCT_CONFIG" \
+      ${STRUCT_SERVER_ARGS:-} > "$OUT/server_structured.log" 2>&1 &
+  server=$!
+  for _ in $(seq "${STRUCT_START_TIMEOUT:-300}"); do
+    curl -sf http://127.0.0.1:8013/v1/models > /dev/null && break; sleep 1
+  done
+  server_cmd="python3 -m loraserve.cli serve /tmp/bench/bytes/llama3-8b-shape"
+  server_cmd+=" --load-format dummy --max-num-seqs 64 --port 8013"
+  server_cmd+=" --structured-outputs-config '$STRUCT_CONFIG' ${STRUCT_SERVER_ARGS:-}"
+  warmup=(--warmup-phases schema)  # the first run only: the server is warm after it
+  for fraction in ${STRUCT_FRACTIONS:-0.03125 0.25}; do
+    stamp "structured $fraction"
+    timeout "${STRUCT_TIMEOUT:-90}" python3 -m benchmarks.serve http://127.0.0.1:8013 \
+        --phases "${STRUCT_PHASES:-plain,schema,plain,schema}" ${warmup[@]+"${warmup[@]}"} \
+        --structured-fraction "$fraction" --num-requests "${STRUCT_REQUESTS:-256}" \
+        --max-concurrency 32 --num-clients 4 --input-len 128:512 --output-len 128 \
+        --json "$OUT/structured_$fraction.json" --results-md "$OUT/structured.md" \
+        --label "c32 schema $fraction" --server-command "$server_cmd" \
+        > "$OUT/structured_$fraction.log" 2>&1
+    echo "rc=$?" >> "$OUT/structured_$fraction.log"
+    warmup=()
+  done
+  kill -INT $server; wait $server
 fi
 
 if has steps; then

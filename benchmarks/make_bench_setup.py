@@ -32,7 +32,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.synthetic import ATTENTION, LLAMA3_8B, projection_shapes, write_adapter, write_model
+from benchmarks.synthetic import (
+    ATTENTION,
+    LLAMA3_8B,
+    TOKENIZERS,
+    projection_shapes,
+    write_adapter,
+    write_model,
+)
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 TARGET_GROUPS = {
@@ -74,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="projections the adapters cover (default all seven)")
     p.add_argument("--num-layers", type=int, default=32,
                    help="layers of the Llama-3-8B-shaped model written")
+    p.add_argument("--tokenizer", choices=TOKENIZERS, default="words",
+                   help="the model's made-up tokenizer: one word a token (words), or "
+                        "byte-level (bytes), which can write JSON for structured outputs")
     p.add_argument("--base-model", type=Path, default=None,
                    help="a model folder to make adapters for (its config.json) instead of "
                         "writing the Llama-3-8B-shaped one")
@@ -141,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.base_model is None:
-        model_dir = write_model(args.out, args.num_layers)
+        model_dir = write_model(args.out, args.num_layers, args.tokenizer)
         base_model = "llama3-8b-shape"
     else:
         model_dir = args.base_model

@@ -55,8 +55,11 @@ want() { [ -z "${MANY_RUNS:-}" ] || [[ " $MANY_RUNS " == *" $1 "* ]]; }
 [ -s "$TABLE" ] || python3 -c "from benchmarks.serve.report import RESULTS_HEADER
 print('\n'.join(RESULTS_HEADER))" > "$TABLE"
 
+# A "-" for each figure column of the table (all but run, model, notes and command).
+FIGURES=$(python3 -c "from benchmarks.serve.report import RESULTS_HEADER
+print(' | '.join(['-'] * (RESULTS_HEADER[0].count('|') - 5)))")
 failed_row() {  # run name, what went wrong, where to look
-  echo "| $1 | $2 | - | - | - | - | - | - | - | see $3 | \`$server_cmd\` |" >> "$TABLE"
+  echo "| $1 | $2 | $FIGURES | see $3 | \`$server_cmd\` |" >> "$TABLE"
 }
 
 setup_adapters() {  # folder, then make_bench_setup's flags: adapters for MODEL

@@ -1,7 +1,13 @@
 """Model and adapter files made without a download: a Llama-3-8B-shaped model
 directory (config.json and a tokenizer; weights come from `--load-format
 dummy`) and random PEFT LoRA adapters over the projections (all seven, or some) of a
-Llama-style config."""
+Llama-style config.
+
+Two made-up tokenizers, both of the config's vocabulary size and both decoding any
+id: "words" (one word a token, w0 .. wN) and "bytes" (byte-level, as Llama 3's:
+the 256 bytes, JSON punctuation and numbers, and made-up words with and without a
+leading space, some with a quote, comma, period or line break). Only "bytes" can
+write JSON: structured outputs need it."""
 
 from __future__ import annotations
 
@@ -44,13 +50,21 @@ def projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
             "down_proj": (inter, hidden)}
 
 
-def write_model(out: Path, num_layers: int) -> Path:
-    """out/llama3-8b-shape: the Llama-3-8B config with num_layers layers, and a tokenizer."""
+TOKENIZERS = ("words", "bytes")
+
+
+def write_model(out: Path, num_layers: int, tokenizer: str = "words") -> Path:
+    """out/llama3-8b-shape: the Llama-3-8B config with num_layers layers, and a
+    tokenizer of the kind named (TOKENIZERS)."""
     model_dir = out / "llama3-8b-shape"
     model_dir.mkdir(parents=True, exist_ok=True)
     config = dict(LLAMA3_8B, num_hidden_layers=num_layers)
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
-    write_tokenizer(model_dir, config["vocab_size"])
+    if tokenizer == "bytes":
+        write_byte_tokenizer(model_dir, config["vocab_size"], config["bos_token_id"],
+                             config["eos_token_id"])
+    else:
+        write_tokenizer(model_dir, config["vocab_size"])
     return model_dir
 
 
@@ -65,6 +79,41 @@ def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
     tok.decoder = decoders.WordPiece(prefix="##")
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w128000",
                                    eos_token="w128001", unk_token="w0")
+    fast.save_pretrained(str(model_dir))
+
+
+# The byte-level tokenizer's tokens after the 256 bytes: JSON's punctuation and
+# literals, two-digit numbers, then made-up words in these forms, in turn.
+_JSON_PIECES = ['{"', '":', '": ', '",', '", "', '"}', '["', '"]', '},', '[]', '{}',
+                "true", "false", "null", *(f"{k:02d}" for k in range(100))]
+_WORD_FORMS = [" w{}", " w{}", " w{}", " w{}", " w{}", " w{}", "w{}", "w{}", "w{}", "w{}",
+               "{}", 'w{}"', ", w{}", "w{}.", "\nw{}", '"w{}']
+
+
+def write_byte_tokenizer(model_dir: Path, vocab_size: int, bos_id: int, eos_id: int) -> None:
+    """A byte-level BPE tokenizer (no merges: text encodes byte by byte, and every
+    id decodes) with bos and eos special tokens at the config's ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # Byte-level tokens spell a space as "Ġ" and a line break as "Ċ"; the other
+    # characters used here are printable ASCII, which spell themselves.
+    def spelled(text: str) -> str:
+        return text.replace(" ", "\u0120").replace("\n", "\u010a")
+
+    specials = {bos_id: "<|begin_of_text|>", eos_id: "<|end_of_text|>"}
+    vocab: dict[str, int] = {}
+    for token in [*sorted(pre_tokenizers.ByteLevel.alphabet()), *map(spelled, _JSON_PIECES)]:
+        vocab.setdefault(token, len(vocab))
+    while len(vocab) < vocab_size:
+        n = len(vocab)
+        vocab[specials.get(n) or spelled(_WORD_FORMS[n % len(_WORD_FORMS)].format(n))] = n
+    tok = Tokenizer(models.BPE(vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(text, special=True) for text in specials.values()])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=specials[bos_id],
+                                   eos_token=specials[eos_id])
     fast.save_pretrained(str(model_dir))
 
 

@@ -2,7 +2,9 @@
 serve` with four adapters from `benchmarks.make_bench_setup` (registered through
 the --config file it writes) in two slots: every request succeeds with exactly
 output-len tokens, the statistics are in order, the adapters are drawn as the
-distribution says, and open-loop runs stop at their bound. No assertion on speed."""
+distribution says, open-loop runs stop at their bound, and requests with a JSON
+schema answer with JSON the schema accepts, their TPOT apart from the others'.
+No assertion on speed."""
 
 from __future__ import annotations
 
@@ -17,13 +19,16 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from serve_utils import ServerProcess
 
 from benchmarks import make_bench_setup, workload
-from benchmarks.serve import cli, report, server_metrics
+from benchmarks.serve import cli, load, report, runs, server_metrics, structured
 
 NUM_REQUESTS = 12
 INPUT_LEN = 16
 OUTPUT_LEN = 8
 MAX_LORAS = 2
 ADAPTERS = [f"lora{i}" for i in range(4)]
+# Room for the schema's longest answer in the tiny model's small vocabulary (its
+# answers take 70 to 90 tokens).
+STRUCTURED_OUTPUT_LEN = 192
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +46,8 @@ def server(llama_dir, bench_setup):
         llama_dir, "--served-model-name", "base", "--enable-lora",
         "--max-loras", str(MAX_LORAS), "--max-num-seqs", "16",
         "--config", bench_setup["config"],
+        # A random model would write whitespace between JSON tokens up to max_tokens.
+        "--structured-outputs-config", '{"disable_any_whitespace": true}',
     ]) as srv:
         yield srv
 
@@ -334,3 +341,224 @@ def test_row_command_leaves_out_reporting_flags():
                "--num-requests 4 --adapter-pattern 'lora{}'")
     assert report.measurement_command(command) == (
         "python -m benchmarks.serve http://h:1 --num-requests 4 --adapter-pattern 'lora{}'")
+
+
+# ---- requests with a JSON schema ---------------------------------------------------
+
+
+def test_constrained_requests_are_picked_evenly_from_the_seed():
+    """1 in 32 of 256 requests: 8, one in each stretch of 32, the same for a seed;
+    a fraction rounds to the nearest count, at least one; and every schema phase
+    constrains the same requests, with the lengths, times and models of a plain
+    phase, which constrains none."""
+    def count(num: int, fraction: float, seed: int = 0) -> int:
+        return sum(structured.pick_constrained(num, fraction, random.Random(seed)))
+
+    picks = structured.pick_constrained(256, 1 / 32, random.Random(4))
+    assert [sum(picks[k * 32:(k + 1) * 32]) for k in range(8)] == [1] * 8
+    assert picks == structured.pick_constrained(256, 1 / 32, random.Random(4))
+    assert picks != structured.pick_constrained(256, 1 / 32, random.Random(5))
+    assert count(12, 0.5) == 6 and count(10, 0.25) == 3 and count(16, 1 / 32) == 1
+    assert count(5, 0.0) == 0 and count(5, 1.0) == 5
+
+    args = cli.parse_args(["--num-requests", "64", "--structured-fraction", "0.125",
+                           "--phases", "plain,schema,schema", "--seed", "9",
+                           "--input-len", "4:32", "--vocab-size", "1000"])
+    target = load.Target("http://127.0.0.1:1/v1/completions", {}, "base", [], 1000)
+    plain = runs.plan_run(args, target, "plain", "0")[0]
+    first, prompts = runs.plan_run(args, target, "schema", "1")
+    second = runs.plan_run(args, target, "schema", "2")[0]
+    unphased = runs.plan_run(args, target, None, "0")[0]
+    assert not any(r.constrained for r in plain)
+    chosen = [r.index for r in first if r.constrained]
+    assert len(chosen) == 8
+    assert all(8 * k <= i < 8 * (k + 1) for k, i in enumerate(chosen))
+    assert chosen == [r.index for r in second if r.constrained]
+    assert chosen == [r.index for r in unphased if r.constrained]
+    assert [(r.prompt_len, r.max_tokens, r.scheduled_s, r.model) for r in first] == [
+        (r.prompt_len, r.max_tokens, r.scheduled_s, r.model) for r in plain]
+
+    body = load.payload(first[chosen[0]], prompts[chosen[0]])
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "benchmark_record", "schema": structured.SCHEMA}}
+    assert body["ignore_eos"] and body["max_tokens"] == 128
+    assert "response_format" not in load.payload(plain[0], prompts[0])
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--phases", "plain,schema"])  # a schema phase without a fraction
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--structured-fraction", "1.5"])
+
+
+def test_answers_are_checked_against_the_schema():
+    """The schema compiles as the server compiles it (no keyword it would refuse);
+    an answer passes only when it is JSON that the schema accepts."""
+    from loraserve.config import StructuredOutputsConfig
+    from loraserve.structured_output.grammar import build_grammar
+    from loraserve.structured_output.params import StructuredOutputsParams
+
+    build_grammar(StructuredOutputsParams(json=structured.SCHEMA), StructuredOutputsConfig())
+    assert structured.CHECKED_WITH == "jsonschema"
+    good = {"name": "Ada", "age": 36, "status": "active", "verified": True,
+            "tags": ["x", "abcdefgh"]}
+    assert structured.valid_answer(json.dumps(good))
+    for change in [{"status": "gone"}, {"age": 121}, {"age": 3.5}, {"name": ""},
+                   {"tags": ["a", "b", "c", "d"]}, {"tags": ["abcdefghi"]}, {"extra": 1},
+                   {"verified": "yes"}]:
+        assert not structured.valid_answer(json.dumps({**good, **change})), change
+    assert not structured.valid_answer(json.dumps({k: v for k, v in good.items()
+                                                   if k != "tags"}))
+    assert not structured.valid_answer('{"name": "Ada", "age"')  # cut at max_tokens
+    assert not structured.valid_answer("")
+
+
+def _record(index: int, tpot_ms: float, tokens: int, constrained: bool = False,
+            valid: bool | None = None, success: bool = True) -> load.RequestRecord:
+    record = load.RequestRecord(index, "base", 4, 10, 0.0, constrained=constrained)
+    record.sent, record.success = True, success
+    if success:
+        record.output_tokens, record.ttft_s = tokens, 0.01
+        record.tpot_s = tpot_ms / 1000
+        record.e2e_s = record.ttft_s + record.tpot_s * (tokens - 1)
+        record.finish_reason = "stop" if constrained else "length"
+        record.valid_json = valid
+    return record
+
+
+def test_tpot_of_constrained_and_unconstrained_requests_apart():
+    """Known TPOTs: each kind's mean, p50 and p99 over its own requests, the
+    constrained answers counted, and only unconstrained requests held to
+    max_tokens; the console table and the results row show both kinds."""
+    records = [_record(i, 10.0 + i, 10) for i in range(4)] + [
+        _record(4, 14.0, 9),  # an unconstrained request that stopped short
+        _record(5, 20.0, 6, constrained=True, valid=True),
+        _record(6, 30.0, 4, constrained=True, valid=False),
+        _record(7, 0.0, 0, constrained=True, success=False)]
+    results = report.build_results(records, 2.0, None)
+    assert results["unconstrained_tpot"] == pytest.approx(
+        {"mean_ms": 12.0, "p50_ms": 12.0, "p99_ms": 13.96, "max_ms": 14.0})
+    assert results["constrained"] == {
+        "requests": 3, "completed": 2, "valid_json": 1, "checked_with": "jsonschema",
+        "ended_by_stop": 2, "output_tokens_mean": 5.0,
+        "tpot": pytest.approx({"mean_ms": 25.0, "p50_ms": 25.0, "p99_ms": 29.9,
+                               "max_ms": 30.0})}
+    assert results["tpot"]["p50_ms"] == pytest.approx(13.0)  # all seven together
+    assert results["output_len_mismatches"] == 1
+
+    results.update(machine="CPU", base_model="base", adapters=[],
+                   command="python -m benchmarks.serve --structured-fraction 0.375")
+    table = report.format_table(results)
+    for line in ["Constrained requests  2/3 ok, 1 valid JSON (jsonschema), 2 ended by stop, "
+                 "mean output 5.0 tokens", "Unconstrained TPOT p99 (ms)  13.96",
+                 "Constrained TPOT p50 (ms)    25.00"]:
+        name, value = line.split("  ", 1)
+        assert any(row.startswith(name) and row.endswith(value.strip())
+                   for row in table.splitlines()), line
+    [row] = report.results_rows(results, "mixed run")
+    cells = row.split(" | ")
+    assert cells[9:13] == ["12.00 / 13.96", "25.00 / 29.90", "1/3", "-"]
+    assert len(cells) == len(report.RESULTS_HEADER[0].split(" | "))
+
+
+def _phase(kind: str, plain_ms: tuple[float, float] | None = None,
+           unconstrained_ms: tuple[float, float] | None = None,
+           constrained_ms: tuple[float | None, float | None] = (None, None)) -> dict:
+    def stats(pair):
+        return {"p50_ms": pair[0], "p99_ms": pair[1]}
+    return {"phase": kind, "tpot": stats(plain_ms or unconstrained_ms),
+            "unconstrained_tpot": stats(unconstrained_ms or plain_ms),
+            "constrained": {"tpot": stats(constrained_ms)}}
+
+
+def test_schema_phases_against_their_plain_partners():
+    """The k-th plain phase pairs with the k-th schema phase; each ratio is the
+    schema phase's figure over its partner's TPOT, and the summary the median
+    over the pairs (a pair without constrained TPOT left out of it)."""
+    phases = [_phase("plain", (10.0, 20.0)),
+              _phase("schema", unconstrained_ms=(10.5, 21.0), constrained_ms=(11.0, 22.0)),
+              _phase("plain", (12.0, 24.0)),
+              _phase("schema", unconstrained_ms=(12.0, 24.0), constrained_ms=(12.6, 30.0)),
+              _phase("plain", (8.0, 16.0)),
+              _phase("schema", unconstrained_ms=(8.0, 16.0)),  # no constrained request ended
+              _phase("schema", unconstrained_ms=(9.0, 18.0), constrained_ms=(9.0, 18.0))]
+    out = report.compare_plain_schema(phases)
+    assert [(p["plain"], p["schema"]) for p in out["plain_schema_pairs"]] == [
+        (0, 1), (2, 3), (4, 5)]
+    first = out["plain_schema_pairs"][0]
+    assert first["constrained_over_plain_tpot_p50"] == pytest.approx(1.1)
+    assert first["unconstrained_over_plain_tpot_p99"] == pytest.approx(1.05)
+    assert out["plain_schema_pairs"][2]["constrained_over_plain_tpot_p50"] is None
+    assert out["constrained_over_plain_tpot_p50"] == pytest.approx((1.1 + 1.05) / 2)
+    assert out["constrained_over_plain_tpot_p99"] == pytest.approx((1.1 + 1.25) / 2)
+    assert out["unconstrained_over_plain_tpot_p50"] == pytest.approx(1.0)  # of 1.05, 1, 1
+    assert report.compare_plain_schema(phases[:1])["constrained_over_plain_tpot_p50"] is None
+
+
+def check_constrained(record: dict) -> None:
+    """A constrained request's answer: JSON that the schema accepts, ended by
+    itself before max_tokens, with TPOT over its own tokens."""
+    import jsonschema
+
+    assert record["success"] and record["valid_json"] is True
+    jsonschema.validate(json.loads(record["output_text"]), structured.SCHEMA)
+    assert record["finish_reason"] == "stop"
+    assert 1 < record["output_tokens"] < record["max_tokens"]
+    assert record["tpot_s"] == pytest.approx(
+        (record["e2e_s"] - record["ttft_s"]) / (record["output_tokens"] - 1))
+
+
+def test_structured_fraction_end_to_end(server, tmp_path):
+    """Half the requests with the schema, to the base model and two adapters:
+    every constrained answer is JSON that the schema accepts; plain and schema
+    phases give the TPOT of each kind apart, the schema/plain ratios from their
+    medians, and a results row per kind."""
+    rows = tmp_path / "results.md"
+    common = [server.url, "--num-requests", "6", "--structured-fraction", "0.5",
+              "--max-concurrency", "6", "--input-len", "8",
+              "--output-len", str(STRUCTURED_OUTPUT_LEN), "--num-adapters", "2",
+              "--base-fraction", "0.5", "--request-timeout", "60", "--seed", "1"]
+    unphased = cli.main(common)
+    assert unphased["failures"] == 0 and unphased["output_len_mismatches"] == 0
+    assert unphased["constrained"]["valid_json"] == unphased["constrained"]["requests"] == 3
+
+    results = cli.main([*common, "--phases", "plain,schema,plain,schema",
+                        "--results-md", str(rows), "--label", "half"])
+    assert results["failures"] == 0
+    phases = results["phases"]
+    chosen = None
+    for phase in phases:
+        constrained = [r for r in phase["requests"] if r["constrained"]]
+        for r in phase["requests"]:
+            assert r["served_model"] == r["model"]
+            if not r["constrained"]:
+                assert r["output_tokens"] == r["max_tokens"] and r["valid_json"] is None
+        if phase["phase"] == "plain":
+            assert not constrained and phase["constrained"]["requests"] == 0
+            assert phase["unconstrained_tpot"] == phase["tpot"]
+            continue
+        assert len(constrained) == 3
+        assert chosen in (None, [r["index"] for r in constrained])
+        chosen = [r["index"] for r in constrained]
+        for r in constrained:
+            check_constrained(r)
+        figures = phase["constrained"]
+        assert figures["valid_json"] == figures["ended_by_stop"] == 3
+        assert figures["tpot"]["p50_ms"] == pytest.approx(
+            statistics.median(r["tpot_s"] * 1000 for r in constrained))
+    assert {r["model"] for r in phases[1]["requests"] if r["constrained"]} > {"base"}
+    pairs = [(phases[0], phases[1]), (phases[2], phases[3])]
+    assert results["constrained_over_plain_tpot_p50"] == pytest.approx(statistics.median(
+        s["constrained"]["tpot"]["p50_ms"] / p["tpot"]["p50_ms"] for p, s in pairs))
+    assert results["unconstrained_over_plain_tpot_p99"] == pytest.approx(statistics.median(
+        s["unconstrained_tpot"]["p99_ms"] / p["tpot"]["p99_ms"] for p, s in pairs))
+
+    table = report.format_table(results)
+    assert "Constrained/plain TPOT: p50 " in table
+    assert "Unconstrained-in-mixed/plain TPOT: p50 " in table
+    assert "Valid JSON: 6/6 constrained answers" in table
+    assert "Served LoRA/base" not in table
+    lines = rows.read_text().splitlines()
+    assert [line.split(" | ")[1] for line in lines[2:]] == ["plain ×2", "schema ×2"]
+    schema_row = lines[3].split(" | ")
+    assert schema_row[11] == "6/6"
+    assert schema_row[12] == (f"{results['constrained_over_plain_tpot_p50']:.3f} / "
+                              f"{results['unconstrained_over_plain_tpot_p50']:.3f}")

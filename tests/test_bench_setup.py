@@ -105,3 +105,40 @@ def test_bad_flags_are_refused(tmp_path):
         make_bench_setup.main(["--out", str(tmp_path), "--distinct", "0"])
     with pytest.raises(SystemExit):
         make_bench_setup.main(["--out", str(tmp_path), "--base-model", str(tmp_path)])
+
+
+def test_byte_level_tokenizer_spells_json(tmp_path):
+    """--tokenizer bytes: the Llama-3-8B shape's vocabulary, bos and eos at the
+    config's ids, text that decodes back as it was, and a JSON answer whose token
+    ids xgrammar's matcher for its schema accepts to the end (the made-up words
+    of the default tokenizer have no token for "{")."""
+    xgr = pytest.importorskip("xgrammar")
+    from transformers import AutoTokenizer
+
+    summary = make_bench_setup.main(["--out", str(tmp_path), "--num-adapters", "0",
+                                     "--num-layers", "1", "--tokenizer", "bytes"])
+    config = json.loads((Path(summary["model"]) / "config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(summary["model"])
+    assert len(tok) == config["vocab_size"] == 128256
+    assert (tok.bos_token_id, tok.eos_token_id) == (config["bos_token_id"],
+                                                    config["eos_token_id"])
+    assert tok.decode([tok.eos_token_id]) == "<|end_of_text|>"
+    text = '{"name": "Zoë w7", "tags": ["a\\nb", "42"]}'
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    assert tok.decode(list(range(1000, 1016)))  # made-up ids decode too
+
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=config["vocab_size"])
+    assert info.vocab_type == xgr.VocabType.BYTE_LEVEL
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "tags": {"type": "array",
+                                                        "items": {"type": "string"}}},
+              "required": ["name", "tags"]}
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_json_schema(
+        json.dumps(schema), any_whitespace=False))
+    assert all(matcher.accept_token(t) for t in ids)
+    assert matcher.accept_token(tok.eos_token_id) and matcher.is_terminated()
+
+    words = make_bench_setup.main(["--out", str(tmp_path / "words"), "--num-adapters", "0",
+                                   "--num-layers", "1"])
+    assert AutoTokenizer.from_pretrained(words["model"]).convert_ids_to_tokens(5) == "w5"

@@ -1,4 +1,4 @@
-"""Serving benchmark against a running `loraserve serve`.
+r"""Serving benchmark against a running `loraserve serve`.
 
 Sends --num-requests streamed completions (random token-id prompts of --input-len,
 exactly --output-len tokens each through ignore_eos), each to the base model or to
@@ -33,12 +33,32 @@ phase on a fresh server pays for first-use work). ``--num-clients N`` splits eac
 processes (each with its share of --max-concurrency), so that the client's own
 Python does not bound a fast server.
 
+``--structured-fraction F`` sends that fraction of the requests (drawn from the
+seed, spread evenly over the run) with a JSON schema (``response_format``
+json_schema; benchmarks/serve/structured.py holds the schema). They keep
+``ignore_eos`` but end when their JSON is complete, so their TPOT is over their
+own output tokens. Every run then reports TPOT of constrained and unconstrained
+requests apart and how many constrained answers are JSON that the schema
+accepts (checked with jsonschema where installed, else only parsed as JSON); an
+untimed constrained request first has the server compile the schema's grammar.
+``--phases plain,schema,plain,schema`` alternates phases without schemas and
+phases with --structured-fraction of them, at the same load, and reports
+``Constrained/plain TPOT`` (the constrained requests' TPOT p50 and p99 over the
+plain phase's) and ``Unconstrained-in-mixed/plain TPOT`` (the unconstrained
+requests' of the schema phase over the plain phase's), each the median over the
+pairs (the k-th plain phase with the k-th schema phase). The model's tokenizer
+must be able to spell JSON (``make_bench_setup --tokenizer bytes`` writes one for
+the Llama-3-8B shape); a server with random weights needs
+``--structured-outputs-config '{"disable_any_whitespace": true}'``, or its JSON
+may be whitespace up to max_tokens.
+
 ``--results-md FILE --label NAME`` appends the run's figures to a markdown table
 with its command (and --server-command, the server's).
 
 load.py generates the load, runs.py finds what the server serves and runs the
-phases, server_metrics.py reads the server's /metrics, report.py computes and
-prints the results.
+phases, structured.py picks the constrained requests and checks their answers,
+server_metrics.py reads the server's /metrics, report.py computes and prints the
+results.
 """
 
 from __future__ import annotations
@@ -71,11 +91,22 @@ def lengths(value: str) -> tuple[int, int]:
     return bounds
 
 
+PHASES = ("base", "lora", "plain", "schema")
+
+
 def phase_list(value: str) -> list[str]:
     phases = [p.strip() for p in value.split(",") if p.strip()]
-    if not phases or any(p not in ("base", "lora") for p in phases):
-        raise argparse.ArgumentTypeError("--phases is a comma-separated list of base and lora")
+    if not phases or any(p not in PHASES for p in phases):
+        raise argparse.ArgumentTypeError(
+            "--phases is a comma-separated list of base, lora, plain and schema")
     return phases
+
+
+def fraction(value: str) -> float:
+    parsed = float(value)
+    if not 0.0 <= parsed <= 1.0:
+        raise argparse.ArgumentTypeError("a fraction is in [0, 1]")
+    return parsed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -113,9 +144,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prompt tokens: N, or LO:HI drawn uniformly per request")
     p.add_argument("--output-len", type=lengths, default=(128, 128),
                    help="output tokens: N, or LO:HI drawn uniformly per request")
+    p.add_argument("--structured-fraction", type=fraction, default=0.0,
+                   help="share of requests sent with a JSON schema (response_format), "
+                        "drawn from the seed and spread evenly over the run (default 0)")
     p.add_argument("--phases", type=phase_list, default=None,
                    help="e.g. base,lora,base,lora: one run per phase, all to the base "
-                        "model or all to the adapters, and the LoRA/base ratio")
+                        "model or all to the adapters, and the LoRA/base ratio; or "
+                        "plain,schema,plain,schema: no request with a schema, then "
+                        "--structured-fraction of them, and the schema/plain TPOT ratios")
     p.add_argument("--num-clients", type=int, default=1,
                    help="client processes, each with its share of --max-concurrency")
     p.add_argument("--vocab-size", type=int, default=None,
@@ -123,8 +159,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-requests", type=int, default=0,
                    help="untimed requests sent one by one before the run")
     p.add_argument("--warmup-phases", type=phase_list, default=None,
-                   help="e.g. lora or base,lora: whole phases run before the timed "
-                        "ones and left out of the figures")
+                   help="e.g. lora, base,lora or schema: whole phases run before the "
+                        "timed ones and left out of the figures")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds before a request counts as failed")
     p.add_argument("--api-key", default=None)
@@ -160,6 +196,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--base-fraction must be in [0, 1]")
     if args.request_timeout <= 0:
         p.error("--request-timeout must be > 0")
+    if "schema" in (args.phases or []) + (args.warmup_phases or []) and \
+            args.structured_fraction == 0:
+        p.error("a schema phase needs --structured-fraction above 0")
     return args
 
 

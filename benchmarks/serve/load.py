@@ -1,6 +1,7 @@
 """Load generation: one streamed completion timed from send to [DONE], and the
 requests of a run sent at their times (when each goes, to which model, with which
-prompt and lengths comes from benchmarks.workload)."""
+prompt and lengths comes from benchmarks.workload; which carry a JSON schema from
+benchmarks.serve.structured)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ try:
     import httpx
 except ImportError:  # the GPU machine's image has the drop-in fork only
     import httpx2 as httpx
+
+from benchmarks.serve.structured import RESPONSE_FORMAT
 
 
 @dataclass
@@ -34,6 +37,12 @@ class RequestRecord:
     e2e_s: float | None = None
     tpot_s: float | None = None
     num_chunks: int = 0
+    # A constrained request carries the JSON schema; it may end before max_tokens
+    # (its JSON complete), so its output length is what the server counted.
+    constrained: bool = False
+    finish_reason: str | None = None
+    output_text: str | None = None  # kept for constrained requests only
+    valid_json: bool | None = None  # constrained: the answer is JSON that the schema accepts
     # Gaps between successive content chunks; kept out of the JSON (it can be large).
     itl_s: list[float] = field(default_factory=list, repr=False)
 
@@ -55,11 +64,14 @@ class Target:
 
 
 def payload(record: RequestRecord, prompt: list[int]) -> dict[str, Any]:
-    return {
+    body = {
         "model": record.model, "prompt": prompt, "max_tokens": record.max_tokens,
         "ignore_eos": True, "temperature": 0.0, "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if record.constrained:
+        body["response_format"] = RESPONSE_FORMAT
+    return body
 
 
 async def stream_completion(client: httpx.AsyncClient, url: str, headers: dict[str, str],
@@ -77,6 +89,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, headers: dict[s
     last = None
     usage_tokens = None
     done = False
+    pieces: list[str] | None = [] if record.constrained else None
     try:
         # httpx's timeouts bound each read, not the whole request: bound it here.
         async with asyncio.timeout(timeout_s):
@@ -103,6 +116,10 @@ async def stream_completion(client: httpx.AsyncClient, url: str, headers: dict[s
                         continue
                     record.served_model = chunk.get("model")
                     record.num_chunks += 1
+                    choice = chunk["choices"][0]
+                    record.finish_reason = choice.get("finish_reason") or record.finish_reason
+                    if pieces is not None:
+                        pieces.append(choice.get("text") or "")
                     if last is None:
                         record.ttft_s = now - start
                     else:
@@ -115,6 +132,8 @@ async def stream_completion(client: httpx.AsyncClient, url: str, headers: dict[s
         record.error = f"{type(exc).__name__}: {exc}"
         return
     record.e2e_s = time.perf_counter() - start
+    if pieces is not None:
+        record.output_text = "".join(pieces)
     if not done:
         record.error = "the stream ended before [DONE]"
         return

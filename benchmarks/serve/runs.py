@@ -20,8 +20,9 @@ from benchmarks.serve.load import (
     send_requests,
     stream_completion,
 )
-from benchmarks.serve.report import build_results, compare_phases, header
+from benchmarks.serve.report import build_results, compare_phases, compare_plain_schema, header
 from benchmarks.serve.server_metrics import mean_over_run, scrape_step_adapters
+from benchmarks.serve.structured import pick_constrained, valid_answer
 from benchmarks.workload import arrival_offsets, draw_lengths, pick_models, random_prompts
 
 
@@ -117,7 +118,10 @@ def plan_run(args: argparse.Namespace, target: Target, phase: str | None,
     send times but prompts of its own (a prefix cache would serve repeats): its
     phase_tag (its place, or a warm-up's) seeds them."""
     seed, num = args.seed, args.num_requests
-    base_fraction = {None: args.base_fraction, "base": 1.0, "lora": 0.0}[phase]
+    base_fraction = {"base": 1.0, "lora": 0.0}.get(phase, args.base_fraction)
+    # A plain phase sends no schema, a schema phase its fraction; base and LoRA
+    # phases (and a run without phases) send the fraction too.
+    fraction = 0.0 if phase == "plain" else args.structured_fraction
     models = pick_models(num, target.base, target.adapters, args.adapter_dist, args.zipf_alpha,
                          base_fraction, random.Random(f"{seed}-models"))
     input_lens = draw_lengths(num, args.input_len, random.Random(f"{seed}-input-lens"))
@@ -127,9 +131,19 @@ def plan_run(args: argparse.Namespace, target: Target, phase: str | None,
                for i, n in enumerate(input_lens)}
     offsets = arrival_offsets(num, args.request_rate, args.arrival,
                               random.Random(f"{seed}-arrivals"))
-    records = [RequestRecord(i, models[i], input_lens[i], output_lens[i], offsets[i])
+    constrained = pick_constrained(num, fraction, random.Random(f"{seed}-constrained"))
+    records = [RequestRecord(i, models[i], input_lens[i], output_lens[i], offsets[i],
+                             constrained=constrained[i])
                for i in range(num)]
     return records, prompts
+
+
+def check_answers(records: list[RequestRecord]) -> None:
+    """Mark each constrained request that succeeded with whether its answer is
+    JSON that the schema accepts."""
+    for record in records:
+        if record.constrained and record.success:
+            record.valid_json = valid_answer(record.output_text or "")
 
 
 def _send_share(job: tuple) -> list[RequestRecord]:
@@ -177,21 +191,27 @@ def measured_run(args: argparse.Namespace, target: Target, phase: str | None,
     planned = plan_run(args, target, phase, phase_tag)
     before = scrape_step_adapters(args.base_url, target.headers)
     records, duration = run_requests(args, target, *planned)
+    check_answers(records)
     per_step = mean_over_run(before, scrape_step_adapters(args.base_url, target.headers))
     return build_results(records, duration, per_step)
 
 
 def warm_up(args: argparse.Namespace, target: Target) -> None:
-    """Untimed requests, one by one, one per model in turn."""
+    """Untimed requests, one by one, one per model in turn; then, when the run
+    sends constrained requests, one of them to the base model, so that the server
+    compiles the schema's grammar before any timed request."""
     models = [target.base, *target.adapters]
     rng = random.Random(f"{args.seed}-warmup")
+    requests = [RequestRecord(-1, models[i % len(models)], args.input_len[0],
+                              args.output_len[0], 0.0) for i in range(args.warmup_requests)]
+    if args.structured_fraction > 0:
+        requests.append(RequestRecord(-1, target.base, args.input_len[0], args.output_len[1],
+                                      0.0, constrained=True))
 
     async def run() -> None:
         async with httpx.AsyncClient(timeout=httpx.Timeout(max(args.request_timeout, 30.0))
                                      ) as client:
-            for i in range(args.warmup_requests):
-                record = RequestRecord(-1, models[i % len(models)], args.input_len[0],
-                                       args.output_len[0], 0.0)
+            for record in requests:
                 prompt = random_prompts(1, record.prompt_len, target.vocab_size, rng)[0]
                 await stream_completion(client, target.url, target.headers,
                                         payload(record, prompt), record, time.perf_counter(),
@@ -215,6 +235,6 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 **({"warmup": warmup} if warmup else {})}
     phases = [{"phase": phase, **measured_run(args, target, phase, str(i))}
               for i, phase in enumerate(args.phases)]
-    return {**header(args, target), **compare_phases(phases),
+    return {**header(args, target), **compare_phases(phases), **compare_plain_schema(phases),
             "failures": sum(p["failures"] for p in phases), "phases": phases,
             "warmup": warmup}
