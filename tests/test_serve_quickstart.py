@@ -35,6 +35,7 @@ _VARYING = [
     (re.compile(r'("prefix_cache_tokens": ?)\[[\d, ]*\]'), r"\1X"),
     (re.compile(r'("step_lora_adapter_counts": ?)\[[\d, ]*\]'), r"\1X"),
     (re.compile(r'("step_lora_adapters_sum": ?)\d+'), r"\1X"),
+    (re.compile(r'("lora_cache_(?:hits|misses)": ?)\d+'), r"\1X"),
     (re.compile(r"^(loraserve:\w+\{.*\}) \S+$", re.M), r"\1 V"),
 ]
 
