@@ -253,7 +253,7 @@ def test_mixed_batch_on_a_gpu_with_decode_graphs(adapters, llama_dir, llama_adap
     llm = LLM(llama_dir, device="cuda", dtype="float32", enable_lora=True, max_loras=2,
               max_lora_rank=16, max_num_seqs=16, kv_cache_memory_bytes=1 << 28,
               async_scheduling=async_scheduling)
-    assert llm.engine.runner.graphs is not None
+    assert llm.engine.executor.driver.graphs is not None
     _check_mixed_batch(llm, adapters, llama_dir, llama_adapters, prompts)
 
 
@@ -261,7 +261,7 @@ def test_mixed_batch_on_a_gpu_with_decode_graphs(adapters, llama_dir, llama_adap
 def test_bf16_controls_hold_in_decode_graph_steps(adapters, llama_dir, prompts):
     llm = LLM(llama_dir, device="cuda", dtype="bfloat16", enable_lora=True, max_loras=2,
               max_lora_rank=16, max_num_seqs=16, kv_cache_memory_bytes=1 << 28)
-    assert llm.engine.runner.graphs is not None
+    assert llm.engine.executor.driver.graphs is not None
     alone = _generate(llm, [prompts[1]], _greedy(), [adapters["r8"]])[0].token_ids
     allowed = [9, 77, 150, 300]
     outs = _generate(

@@ -56,8 +56,8 @@ def _check_against_peft(llm, llama_dir, batch) -> None:
 def test_pieces_match_peft_on_mixed_steps(llama_dir, llama_adapters, prompts):
     """Prompts chunked under a small token budget, so that steps mix a prefill chunk
     with decodes of other adapters and the base, padded to a bucket."""
-    # fp32 (the reference's) also where a GPU would pick bf16.
-    llm = LLM(llama_dir, enable_lora=True, max_loras=4, max_lora_rank=16, dtype="float32",
+    # The pieces as plain calls: on the CPU, whatever the machine.
+    llm = LLM(llama_dir, device="cpu", enable_lora=True, max_loras=4, max_lora_rank=16,
               max_num_batched_tokens=40, max_num_seqs=16, enable_prefix_caching=False)
     runner = llm.engine.executor.driver
     runner.pieces = PiecewiseGraphs(runner.ctx, runner.max_num_tokens, capture=False)
@@ -73,7 +73,7 @@ def test_pieces_of_a_moe_model_match_peft(tmp_path, prompts):
     run inside the pieces."""
     model_dir = make_tiny_moe_model(tmp_path / "moe", "qwen2_moe", seed=3)
     adapter = make_moe_adapter(model_dir, tmp_path / "a", r=4, alpha=8, seed=1)
-    llm = LLM(model_dir, enable_lora=True, max_loras=1, max_lora_rank=8, dtype="float32",
+    llm = LLM(model_dir, device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8,
               max_num_batched_tokens=24, max_num_seqs=8, enable_prefix_caching=False)
     runner = llm.engine.executor.driver
     runner.pieces = PiecewiseGraphs(runner.ctx, runner.max_num_tokens, capture=False)
@@ -87,7 +87,7 @@ def test_pieces_of_a_moe_model_match_peft(tmp_path, prompts):
 def test_piecewise_graphs_match_peft_on_the_gpu(llama_dir, llama_adapters, prompts):
     llm = LLM(llama_dir, enable_lora=True, max_loras=4, max_lora_rank=16, dtype="float32",
               max_num_batched_tokens=40, max_num_seqs=16, enable_prefix_caching=False,
-              cudagraph_mode="FULL_AND_PIECEWISE")
+              cudagraph_mode="FULL_AND_PIECEWISE", kv_cache_memory_bytes=1 << 28)
     runner = llm.engine.executor.driver
     assert runner.pieces is not None and runner.pieces.graphs
     calls = _count_calls(runner.pieces, "run")
@@ -101,7 +101,8 @@ def test_piecewise_graphs_match_peft_on_the_gpu(llama_dir, llama_adapters, promp
 @pytest.mark.gpu
 def test_piecewise_graphs_base_model_on_the_gpu(llama_dir, prompts):
     llm = LLM(llama_dir, dtype="float32", max_num_batched_tokens=40, max_num_seqs=16,
-              enable_prefix_caching=False, cudagraph_mode="FULL_AND_PIECEWISE")
+              enable_prefix_caching=False, cudagraph_mode="FULL_AND_PIECEWISE",
+              kv_cache_memory_bytes=1 << 28)
     assert llm.engine.executor.driver.pieces.graphs
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     for p, out in zip(prompts, outs, strict=True):
