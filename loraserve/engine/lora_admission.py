@@ -27,16 +27,9 @@ request of the adapters that hold places meanwhile.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from loraserve.config import LORA_SCHEDULING_POLICIES
 from loraserve.engine.request import Request
-
-
-@dataclass
-class AdmissionPlan:
-    # Adapters whose waiting requests may join this step.
-    allowed: set[str]
 
 
 class LoRAAdmission:
@@ -51,11 +44,13 @@ class LoRAAdmission:
         # slot-aware: running adapters that admit no new request until they leave.
         self.draining: set[str] = set()
 
-    def plan(self, waiting: Iterable[Request], running: list[Request], ready: set[str],
-             slot_holders: Iterable[str], slot_resident: Iterable[str] = ()) -> AdmissionPlan:
-        """`ready`: adapters usable without a disk read; `slot_holders`: adapters
-        that keep a slot whatever runs (pinned); `slot_resident`: adapters in a
-        device slot now."""
+    def allowed(self, waiting: Iterable[Request], running: list[Request], ready: set[str],
+                slot_holders: Iterable[str], slot_resident: Iterable[str] = ()) -> set[str]:
+        """The adapters whose waiting requests may join this step. `ready`: adapters
+        usable without a disk read; `slot_holders`: adapters that keep a slot
+        whatever runs (pinned); `slot_resident`: adapters in a device slot now.
+        A waiting request passed over for lack of a place counts it in its
+        slot_waits (the scheduler does)."""
         running_loras = {r.lora_name for r in running if r.lora_name is not None}
         holding = running_loras | set(slot_holders)
         self.draining &= running_loras
@@ -67,12 +62,12 @@ class LoRAAdmission:
                 asked[name] = max(asked.get(name, 0), req.slot_waits)
         candidates = list(asked)
         if self.policy == "slot-aware":
-            starving = [name for name in candidates if asked[name] >= self.max_wait_steps]
+            starving = {name for name in candidates if asked[name] >= self.max_wait_steps}
             self._drain_for(len(starving), running, holding, set(slot_holders))
             resident = set(slot_resident)
             candidates.sort(key=lambda name: (name not in starving, name not in resident))
         room = max(0, self.max_loras - len(holding))
-        return AdmissionPlan((holding - self.draining) | set(candidates[:room]))
+        return (holding - self.draining) | set(candidates[:room])
 
     def _drain_for(self, num_starving: int, running: list[Request], holding: set[str],
                    pinned: set[str]) -> None:
@@ -88,8 +83,3 @@ class LoRAAdmission:
                 left[name] = max(left.get(name, 0), req.max_tokens_left(self.max_model_len))
         for name in sorted(left, key=lambda n: (left[n], n))[:num_starving - coming_free]:
             self.draining.add(name)
-
-    @staticmethod
-    def passed_over(req: Request) -> None:
-        """A waiting request whose adapter was ready but had no place this step."""
-        req.slot_waits += 1

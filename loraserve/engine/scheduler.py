@@ -99,8 +99,8 @@ class Scheduler:
         if not out.preempted:
             allowed = None
             if self.admission is not None:
-                allowed = self.admission.plan(self.waiting, self.running, set(ready_loras),
-                                              slot_holders, slot_resident).allowed
+                allowed = self.admission.allowed(self.waiting, self.running, set(ready_loras),
+                                                 slot_holders, slot_resident)
             self._schedule_waiting(out, budget, ready_loras, allowed)
         return out
 
@@ -160,7 +160,7 @@ class Scheduler:
                     skipped.append(req)
                     continue
                 if allowed_loras is not None and name not in allowed_loras:
-                    LoRAAdmission.passed_over(req)
+                    req.slot_waits += 1  # ready, but its adapter had no place
                     skipped.append(req)
                     continue
             # A new or preempted request holds no blocks: it starts from the longest
