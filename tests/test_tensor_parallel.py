@@ -36,7 +36,8 @@ def tp_adapters(tmp_path_factory, llama_dir) -> dict[str, str]:
 
 
 def _run(model_dir, prompts, loras, params=GREEDY, **engine) -> list[list[int]]:
-    llm = LLM(model_dir, **engine)
+    # Two gloo processes on the CPU, on any machine (the GPU test asks for cuda).
+    llm = LLM(model_dir, **{"device": "cpu", **engine})
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, loras)
         return [o.outputs[0].token_ids for o in outs]
@@ -118,7 +119,7 @@ def test_structured_outputs_match_tp1(llama_dir, tp_adapters, prompts):
 ])
 def test_bad_sizes_are_refused_at_start_up(llama_dir, engine, message):
     with pytest.raises(ValueError, match=message):
-        LLM(llama_dir, **engine)
+        LLM(llama_dir, device="cpu", **engine)
 
 
 def test_serve_with_two_ranks(llama_dir, tp_adapters, prompts):
@@ -126,8 +127,9 @@ def test_serve_with_two_ranks(llama_dir, tp_adapters, prompts):
     from transformers import AutoTokenizer
 
     adapter = tp_adapters["all"]
-    server = ServerProcess([llama_dir, "--tensor-parallel-size", "2", "--enable-lora",
-                            "--max-lora-rank", "8", "--lora-modules", f"all={adapter}"])
+    server = ServerProcess([llama_dir, "--device", "cpu", "--tensor-parallel-size", "2",
+                            "--enable-lora", "--max-lora-rank", "8",
+                            "--lora-modules", f"all={adapter}"])
     try:
         # The API server, the engine core (rank 0) and the other rank.
         assert len(server._all_pids) >= 3
