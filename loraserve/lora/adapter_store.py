@@ -152,9 +152,6 @@ class AdapterStore:
             pending[1].cancel()
             self.changes += 1
 
-    def is_loading(self, name: str) -> bool:
-        return name in self._loading
-
     # ---- residency -----------------------------------------------------------------
 
     def is_retired(self, lora_request: LoRARequest) -> bool:

@@ -99,10 +99,6 @@ class LoRAManager:
 
     # ---- residency -----------------------------------------------------------------
 
-    def is_ready(self, name: str) -> bool:
-        """Usable this step without touching the disk."""
-        return name in self.store.cache or name in self.slots
-
     def pin(self, name: str) -> None:
         self.store.pin(name)
         self.slots.pin(name)
