@@ -146,3 +146,29 @@ def test_a_kernel_table_named_in_the_environment_must_exist(tmp_path, monkeypatc
     finally:
         monkeypatch.undo()
         lora_config.reload_tuned_table()
+
+
+def test_a_gpu_without_its_own_table_reads_a_siblings(tmp_path, monkeypatch):
+    # An H100 SXM has no table of its own; the H200's records the same capability and
+    # SM count, so its tuned tiles are taken over the heuristics. Another SM count
+    # (an H100 PCIe: 114) finds no sibling and stays on the heuristics.
+    from loraserve.kernels import lora_config
+
+    h200 = json.loads((lora_config.CONFIG_DIR / "NVIDIA_H200.json").read_text())
+    assert (h200["capability"], h200["num_sms"]) == ("9.0", 132)
+    (tmp_path / "A.json").write_text(json.dumps({"capability": "8.0", "num_sms": 132}))
+    (tmp_path / "B.json").write_text(json.dumps(h200))
+    assert lora_config.sibling_table("9.0", 132, tmp_path) == tmp_path / "B.json"
+    assert lora_config.sibling_table("9.0", 114, tmp_path) is None
+
+    monkeypatch.delenv("LORASERVE_LORA_CONFIG", raising=False)
+    for device, tuned in ((("NVIDIA H100 80GB HBM3", "9.0", 132), True),
+                          (("NVIDIA H100 PCIe", "9.0", 114), False)):
+        monkeypatch.setattr(lora_config, "_device", lambda device=device: device)
+        lora_config.reload_tuned_table()
+        try:
+            assert lora_config.has_dense_table() is tuned
+            key = next(iter(h200["shrink"]))
+            assert (lora_config._tuned_table().get("shrink", {}).get(key) is not None) is tuned
+        finally:
+            lora_config.reload_tuned_table()

@@ -120,7 +120,8 @@ def main() -> int:
     start = time.time()
     out = Path(args.out)
     table = json.loads(out.read_text()) if args.merge and out.is_file() else {}
-    table.setdefault("device", torch.cuda.get_device_name())
+    for key, value in lc.device_record().items():
+        table.setdefault(key, value)
     dense = table.setdefault("dense", {})
     copy_bw = copy_bandwidth()
     rows = []

@@ -193,7 +193,7 @@ def main() -> int:
                    help="keep the entries already in --out that this run does not tune")
     args = p.parse_args()
     t_start = time.time()
-    result = {"device": torch.cuda.get_device_name(), **{kind: {} for kind in lc.TABLE_KINDS}}
+    result = {**lc.device_record(), **{kind: {} for kind in lc.TABLE_KINDS}}
     if args.merge and Path(args.out).is_file():
         old = json.loads(Path(args.out).read_text())
         for kind in lc.TABLE_KINDS:

@@ -7,7 +7,10 @@ lookup order is:
 1. a JSON file written by ``benchmarks/kernels/tune_kernels.py`` for the current GPU
    (``loraserve/kernels/configs/<device name>.json``, or the file named by the
    ``LORASERVE_LORA_CONFIG`` environment variable), keyed by shape class;
-2. a heuristic that only looks at the shapes (the default on other GPUs and on
+2. else the table of a sibling GPU: one that records the same compute capability
+   and SM count (an H100 SXM reads the H200's: the same SMs, whose best tiles
+   differ far less between the two than the heuristics differ from either);
+3. a heuristic that only looks at the shapes (the default on other GPUs and on
    the CPU interpreter).
 
 Shape classes are coarse on purpose: T is rounded to a power-of-two bucket and
@@ -18,6 +21,7 @@ model that shares K, N and rank.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from functools import lru_cache
 from pathlib import Path
@@ -25,6 +29,7 @@ from typing import Any
 
 from loraserve import envs
 
+logger = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).parent / "configs"
 # T buckets the tuner measures; a lookup snaps T to the nearest bucket (log scale).
 T_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 8192, 16384)
@@ -64,20 +69,41 @@ def silu_key(num_tokens: int, width: int, rank: int) -> str:
     return f"T{t_bucket(num_tokens)}_I{width}_R{rank_block(rank)}"
 
 
-def _device_name() -> str | None:
+def _device() -> tuple[str, str, int] | None:
+    """(name, compute capability as "major.minor", SM count) of the current GPU."""
     try:
         import torch
 
         if torch.cuda.is_available():
-            return torch.cuda.get_device_name()
+            props = torch.cuda.get_device_properties(0)
+            return props.name, f"{props.major}.{props.minor}", props.multi_processor_count
     except Exception:  # pragma: no cover - no usable CUDA runtime
         return None
     return None
 
 
+def device_record() -> dict[str, object]:
+    """What a tuned table records of the GPU it was tuned on (sibling_table reads it)."""
+    device = _device()
+    if device is None:
+        raise RuntimeError("tuning needs a CUDA device")
+    name, capability, num_sms = device
+    return {"device": name, "capability": capability, "num_sms": num_sms}
+
+
 def config_path_for(device_name: str) -> Path:
     safe = "".join(c if c.isalnum() else "_" for c in device_name)
     return CONFIG_DIR / f"{safe}.json"
+
+
+def sibling_table(capability: str, num_sms: int, config_dir: Path = CONFIG_DIR) -> Path | None:
+    """The first table (by file name) tuned on a GPU of this capability and SM count."""
+    for path in sorted(config_dir.glob("*.json")):
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("capability") == capability and data.get("num_sms") == num_sms:
+            return path
+    return None
 
 
 @lru_cache(maxsize=1)
@@ -87,12 +113,17 @@ def _tuned_table() -> dict[str, dict[str, dict[str, int]]]:
         # Named by the user: a typo must not fall back to the heuristics unnoticed.
         raise FileNotFoundError(f"{envs.LORA_CONFIG.name}={path}: no such file")
     if path is None:
-        name = _device_name()
-        if name is None:
+        device = _device()
+        if device is None:
             return {}
+        name, capability, num_sms = device
         path = config_path_for(name)
         if not path.is_file():
-            return {}
+            path = sibling_table(capability, num_sms)
+            if path is None:
+                return {}
+            logger.info("no kernel table for %s: using %s (same capability %s, %d SMs)",
+                        name, path.name, capability, num_sms)
     with open(path) as f:
         data = json.load(f)
     return {k: data.get(k, {}) for k in TABLE_KINDS}
