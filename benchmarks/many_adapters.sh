@@ -36,6 +36,12 @@
 #   MANY_SERVER_ARGS  more server flags (e.g. --cudagraph-mode FULL_AND_PIECEWISE)
 #   MANY_TIMEOUT seconds for one benchmark run (default 200); MANY_START_TIMEOUT for a
 #                server's start (default 300); PORT (default 8012)
+#   MANY_BUDGET  seconds for the whole script (default 0: no limit). Each server start and
+#                benchmark run gets at most what is left; one that cannot have
+#                MANY_MIN_SECONDS (default 45) is skipped with a "not run" row, so the
+#                script ends by itself with a full table instead of being killed by an
+#                outer timeout. A TERM or INT stops the running server before the script
+#                exits (after the benchmark run in the foreground returns).
 set -uo pipefail
 OUT=${RESULTS_DIR:-gpu_results}
 mkdir -p "$OUT"
@@ -46,6 +52,9 @@ CONFIG32=${MANY_CONFIG32:-$BENCH/lora_modules.json}
 DIR=${MANY_DIR:-$BENCH}
 PORT=${PORT:-8012}
 TABLE="$OUT/many.md"
+BUDGET=${MANY_BUDGET:-0}
+T_START=$(date +%s)
+server=""
 export PYTHONUNBUFFERED=1 LORASERVE_NO_PROGRESS=1
 stamp() { echo "$(date +%T) $*" >> "$OUT/stages.log"; }
 want() { [ -z "${MANY_RUNS:-}" ] || [[ " $MANY_RUNS " == *" $1 "* ]]; }
@@ -62,6 +71,25 @@ failed_row() {  # run name, what went wrong, where to look
   echo "| $1 | $2 | $FIGURES | see $3 | \`$server_cmd\` |" >> "$TABLE"
 }
 
+seconds_left() {  # of MANY_BUDGET, or a day when there is none
+  if [ "$BUDGET" -gt 0 ]; then echo $((BUDGET - $(date +%s) + T_START)); else echo 86400; fi
+}
+
+within_budget() {  # run name, the seconds it would like: false (and a row) if too few are left
+  local left
+  left=$(seconds_left)
+  [ "$left" -ge "${MANY_MIN_SECONDS:-45}" ] && return 0
+  failed_row "$1" "not run: ${left} s of MANY_BUDGET left" "stages.log"
+  stamp "many $1 skipped: ${left} s left"
+  return 1
+}
+
+cap() {  # the smaller of a limit and the budget's seconds left
+  local left
+  left=$(seconds_left)
+  echo $(( $1 < left ? $1 : left ))
+}
+
 setup_adapters() {  # folder, then make_bench_setup's flags: adapters for MODEL
   local dir=$1; shift
   stamp "many setup $dir"
@@ -70,23 +98,29 @@ setup_adapters() {  # folder, then make_bench_setup's flags: adapters for MODEL
 }
 
 stop_server() {  # SIGINT, then SIGKILL after 60 s (the engine core dies with its parent)
+  [ -n "$server" ] || return 0
   kill -INT "$server" 2> /dev/null
   for _ in $(seq 60); do kill -0 "$server" 2> /dev/null || break; sleep 1; done
   kill -KILL "$server" 2> /dev/null
   wait "$server" 2> /dev/null
+  server=""
 }
+# A server must not outlive the script: it would hold the port and the GPU's memory.
+trap 'stop_server; exit 143' TERM
+trap 'stop_server; exit 130' INT
 
 start_server() {  # name, then the server's flags; sets server, server_cmd and notes
   local name=$1; shift
   local cmd=(python3 -m loraserve.cli serve "$MODEL" --load-format dummy --enable-lora
              --max-lora-rank 16 --port "$PORT" "$@" ${MANY_SERVER_ARGS:-})
   server_cmd="${cmd[*]}"
+  within_budget "$name" || return 1
   stamp "many server $name"
   local log="$OUT/many_server_$name.log" ready="" t0 t1
   t0=$(date +%s.%N)
   "${cmd[@]}" > "$log" 2>&1 &
   server=$!
-  for _ in $(seq $((2 * ${MANY_START_TIMEOUT:-300}))); do
+  for _ in $(seq $((2 * $(cap "${MANY_START_TIMEOUT:-300}")))); do
     curl -sf "http://127.0.0.1:$PORT/v1/models" > /dev/null && { ready=1; break; }
     kill -0 "$server" 2> /dev/null || break
     sleep 0.5
@@ -107,8 +141,9 @@ start_server() {  # name, then the server's flags; sets server, server_cmd and n
 bench() {  # run name, then benchmarks.serve's arguments
   local name=$1; shift
   local warm=${MANY_WARMUP-lora}
+  within_budget "$name" || return 0
   stamp "many $name"
-  timeout "${MANY_TIMEOUT:-200}" python3 -m benchmarks.serve "http://127.0.0.1:$PORT" \
+  timeout "$(cap "${MANY_TIMEOUT:-200}")" python3 -m benchmarks.serve "http://127.0.0.1:$PORT" \
       --phases "${MANY_PHASES:-base,lora,base,lora}" ${warm:+--warmup-phases "$warm"} \
       --num-clients 4 --input-len "${MANY_INPUT:-128:1024}" \
       --output-len "${MANY_OUTPUT:-64:256}" --adapter-pattern 'lora{}' \
