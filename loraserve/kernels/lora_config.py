@@ -138,14 +138,8 @@ def reload_tuned_table() -> None:
 
 @lru_cache(maxsize=1)
 def _num_sms() -> int:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_properties(0).multi_processor_count
-    except Exception:  # pragma: no cover
-        pass
-    return 132
+    device = _device()
+    return device[2] if device is not None else 132
 
 
 def default_shrink_config(num_tokens: int, k: int, rank: int, num_slices: int) -> dict[str, int]:
